@@ -1,0 +1,67 @@
+"""Train the jaxamp Transformer LM on character-level text in fp32, bf16 or fp16.
+
+    python experiments/train_lm.py                                   # Python stdlib sources, fp32, nanoGPT CPU recipe
+    python experiments/train_lm.py --data ../shared/data/tinyshakespeare.txt --precision fp16 --workdir runs/fp16
+
+Parses flags and delegates to `jaxamp.train.train`; every flag is a field of `jaxamp.train.TrainConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+HELP = {
+    "data": "UTF-8 text file (default: the Python standard library's own sources, no download)",
+    "precision": "fp32 | bf16 | fp16 | a jmp policy string such as 'p=f32,c=f16,o=f32'",
+    "loss_scale": "auto (dynamic for float16 compute, else none) | dynamic | static | none",
+    "init_scale": "initial dynamic (or fixed static) loss scale",
+    "growth_interval": "finite steps before the dynamic loss scale grows",
+    "layers": "Transformer blocks", "heads": "attention heads", "width": "model width (channels)",
+    "seq_len": "tokens per sequence", "batch_size": "sequences per step", "steps": "optimizer steps",
+    "lr": "peak learning rate (linear warmup, then cosine decay)", "min_lr": "final learning rate (default lr/10)",
+    "warmup_steps": "warmup steps", "decay_steps": "steps of warmup + cosine decay (default: --steps)", "weight_decay": "AdamW weight decay", "beta1": "Adam beta1",
+    "beta2": "Adam beta2", "grad_clip": "max global gradient norm, unscaled (0 = off)", "dropout": "dropout rate",
+    "eval_every": "steps between validation losses", "eval_batches": "batches per validation loss",
+    "log_every": "steps between metric fetches", "sample_tokens": "characters sampled at the end",
+    "seed": "seed of the data order, init and dropout", "workdir": "output directory (metrics.jsonl, summary.json)",
+    "progress": "show a progress bar (default: on a terminal only)",
+    "checkpoint_every": "steps between checkpoints (also saved at the end and on SIGTERM/SIGINT)",
+    "keep": "checkpoints kept (newest)",
+}
+
+
+def parse_args(argv=None):
+    from jaxamp.train import TrainConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        if field.name == "progress":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=HELP[field.name])
+            continue
+        kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
+        parser.add_argument(flag, type=kind, default=field.default, help=f"{HELP[field.name]} (default: %(default)s)")
+    return TrainConfig(**vars(parser.parse_args(argv)))
+
+
+def main(argv=None) -> int:
+    from jaxamp.checkpoint import CheckpointError
+    from jaxamp.data import DataError
+    from jaxamp.train import ConfigError, train
+
+    cfg = parse_args(argv)
+    try:
+        train(cfg)
+    except (ConfigError, DataError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""jaxamp: mixed-precision training for JAX (float16/bfloat16 compute, float32 master weights, loss scaling)."""
+
+from jaxamp.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    finite_leaves,
+)
+from jaxamp.precision import PRESETS, Policy, get_policy
+from jaxamp.state import TrainState
+from jaxamp.step import eval_step, train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "NoOpLossScale",
+    "PRESETS",
+    "Policy",
+    "StaticLossScale",
+    "TrainState",
+    "all_finite",
+    "eval_step",
+    "finite_leaves",
+    "get_policy",
+    "train_step",
+]

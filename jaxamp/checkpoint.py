@@ -1,0 +1,602 @@
+"""Checkpoints of a `TrainState` with integrity checks, on orbax-checkpoint's `CheckpointManager`.
+
+Layout. One folder per step under `directory`, named by the step number (orbax's default names). Each step holds
+three orbax items, written together by one `CheckpointManager.save`:
+
+- `state`: the whole `TrainState` (params, opt_state, loss-scale leaves, step, rng), `ocp.args.StandardSave`;
+- `config`: the run's settings, a JSON dict (`ocp.args.JsonSave`);
+- `integrity`: a JSON record written by this module: per array leaf (keyed by `jax.tree_util.keystr` of its path)
+  the sha256 of its bytes, its dtype and shape; the loss scale's type and static hyperparameters
+  (`DynamicLossScale.config()`); the policy name; the pytree structure string; a sha256 of the config JSON.
+
+Integrity design. orbax has no checksums: a flipped bit in a data file restores silently with wrong values (a
+flip inside a compressed chunk may also surface as a decode error). So `restore` recomputes the sha256 of every
+restored leaf and compares it with the record; any difference makes the step unusable. Static fields (`tx`,
+`policy`, the loss scale's hyperparameters) are never stored as objects: they come from the abstract restore
+target, and the record only lets `restore` tell whether the target matches what was saved. Nothing is unpickled
+(orbax's standard format and JSON only).
+
+Arrays that are not fully addressable (a multi-process run) cannot be hashed whole on one host. For those the
+record holds one sha256 per shard, keyed by the shard's global index (e.g. `"0:512,0:1024"`); each process hashes
+the shards it owns (replica 0) and the per-process records are gathered to every process before the save. On
+restore, a fully addressable leaf is checked against the per-shard digests by slicing the restored array; a
+non-fully-addressable one is checked shard by shard where the restored shard index equals a saved one (a shard
+layout that differs from the saved one cannot be checked and is reported once with a warning). Single-process
+runs (every array fully addressable, however many local devices) always use whole-array digests.
+
+orbax pitfalls handled here (orbax-checkpoint 0.12.8):
+
+- An empty or half-deleted `N/` folder counts as the latest step for orbax, its restore raises, and afterwards the
+  same `CheckpointManager` refuses good steps too. `restore` therefore lists steps itself and uses a fresh,
+  read-only `CheckpointManager` per attempt, newest first, skipping unusable steps with a warning.
+- orbax refuses (returns False) to save a step that is not newer than the newest step folder, so a broken newer
+  folder would silently stop all saving; `save` raises instead.
+- Restoring without a target turns optax NamedTuples and dataclasses into dicts and cannot change the device
+  topology; `restore` always takes an abstract target (ShapeDtypeStructs, with shardings when wanted).
+- A wrong dtype in the target is cast silently by orbax; the record's dtypes and shapes are compared first.
+- Saves killed mid-way leave `N.orbax-checkpoint-tmp-*` folders; they are ignored when listing and removed by
+  orbax (`cleanup_tmp_directories`) when this module first saves into the directory.
+- `best_fn` with `max_to_keep` can delete the newest step; only `max_to_keep` is used.
+- A failed orbax read leaves suspended coroutines behind that print "Exception ignored in <coroutine ...>" when
+  garbage-collected; `restore` collects them (and the partly read buffers) before trying the previous step.
+- orbax logs two absl warnings per read-only manager ("Given directory is read only"); they are harmless.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import hashlib
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxamp.precision import policy_name
+from jaxamp.state import TrainState
+
+__all__ = ["CheckpointError", "CheckpointMismatchError", "Checkpointer"]
+
+_FORMAT = 1
+_ITEMS = ("state", "config", "integrity")
+_STEP_RE = re.compile(r"^\d+$")
+_TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp.*$")
+_ORBAX_ROOT_ENTRIES = frozenset({"metadata"})  # orbax's root metadata folder (written only with custom metadata)
+_ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
+_MAX_REASON = 400
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory or step is unreadable, corrupt, or holds no usable step.
+
+    The message names the directory or step folder and the problem.
+    """
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint was saved with different settings than this run (config value, structure, dtype, loss scale).
+
+    The message names the field and both values. Raised at once: an older step is not tried instead.
+    """
+
+
+class _Unusable(Exception):
+    """Internal: this step cannot be restored; the message is the reason."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hashing and the integrity record.
+
+
+def _host_array(x) -> np.ndarray:
+    """Returns a C-contiguous host copy of a fully addressable array (typed PRNG keys as their raw data)."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.ascontiguousarray(np.asarray(jax.device_get(x)))
+
+
+def _digests(arrays: list) -> list[str]:
+    """sha256 of each fully addressable array, copied to the host one leaf at a time in a few threads.
+
+    Peak extra host memory is a few leaves, not the whole state; hashlib releases the GIL while hashing.
+    """
+    with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda x: _sha256(_host_array(x)), arrays))
+
+
+def _sha256(arr: np.ndarray) -> str:
+    """sha256 hex digest of the raw bytes of a C-contiguous host array (native byte order)."""
+    return hashlib.sha256(arr.reshape(-1).view(np.uint8)).hexdigest()
+
+
+def _index_str(index: tuple, shape: tuple) -> str:
+    """A shard's global index as `"start:stop,..."` (one entry per dimension; `""` for a scalar)."""
+    return ",".join("{}:{}".format(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def _parse_index(text: str) -> tuple:
+    if not text:
+        return ()
+    return tuple(slice(int(a), int(b)) for a, b in (part.split(":") for part in text.split(",")))
+
+
+def _leaf_dtype(x) -> str:
+    dtype = x.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return str(dtype)
+    return np.dtype(dtype).name
+
+
+def _structure_string(tree) -> str:
+    """`str(jax.tree.structure(tree))` without object addresses (`<function f at 0x...>` differs per process)."""
+    return _ADDRESS_RE.sub("", str(jax.tree.structure(tree)))
+
+
+def _loss_scale_record(loss_scale) -> dict:
+    config = loss_scale.config() if hasattr(loss_scale, "config") else {}
+    return {"type": type(loss_scale).__name__, "config": config}
+
+
+def _allgather_json(obj) -> list:
+    """Every process's `obj` (JSON-able), in process order. A no-op list of one in a single-process run."""
+    if jax.process_count() == 1:
+        return [obj]
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [json.loads(bytes(rows[i, : int(sizes[i])])) for i in range(len(sizes))]
+
+
+def _config_digest(config) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def _integrity_record(state: TrainState, config: dict, checksums: bool) -> dict:
+    """Builds the JSON integrity record of `state` (see the module docstring). Copies every leaf to the host."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    leaves: dict[str, dict] = {}
+    whole: list[tuple[str, Any]] = []
+    sharded: list[tuple[str, Any]] = []
+    for path, x in flat:
+        key = jax.tree_util.keystr(path)
+        x = x if hasattr(x, "dtype") else np.asarray(x)
+        leaves[key] = {"dtype": _leaf_dtype(x), "shape": list(np.shape(x))}
+        if not checksums:
+            continue
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            sharded.append((key, x))
+        else:
+            whole.append((key, x))
+    if whole:
+        for (key, _), digest in zip(whole, _digests([x for _, x in whole])):
+            leaves[key]["sha256"] = digest
+    if sharded:
+        mine: dict[str, dict[str, str]] = {}
+        for key, x in sharded:
+            for shard in x.addressable_shards:
+                if shard.replica_id == 0:
+                    mine.setdefault(key, {})[_index_str(shard.index, x.shape)] = _sha256(_host_array(shard.data))
+        for part in _allgather_json(mine):
+            for key, shards in part.items():
+                leaves[key].setdefault("shards", {}).update(shards)
+    ls = state.loss_scale
+    return {
+        "format": _FORMAT,
+        "step": int(jax.device_get(state.step)),
+        "leaves": leaves,
+        "loss_scale": _loss_scale_record(ls),
+        "policy": policy_name(state.policy),
+        "structure": _structure_string(state),
+        "config_sha256": _config_digest(config),
+    }
+
+
+def _json_normal(value):
+    """`value` as it comes back from a JSON round trip (tuples -> lists, int keys -> str)."""
+    return json.loads(json.dumps(value))
+
+
+def _fmt(value) -> str:
+    return repr(value) if isinstance(value, str) else json.dumps(value)
+
+
+def _first_difference(a: str, b: str, context: int = 60) -> tuple[str, str]:
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    lo = max(0, i - context)
+    return f"...{a[lo:i + context]}...", f"...{b[lo:i + context]}..."
+
+
+def _short(err: BaseException) -> str:
+    """One line: the exception's type and message, without TensorStore's spec dump, at most _MAX_REASON chars."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    text = text.split(" See full TensorStore details")[0]
+    return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves `TrainState`s asynchronously with orbax and restores the newest usable one, verified by sha256.
+
+    Args:
+      directory: the checkpoint folder. Created at the first save if missing. If it exists it must hold nothing
+        but step folders (and orbax's own entries).
+      keep: how many of the newest steps to keep on disk (orbax `max_to_keep`), >= 1.
+      async_save: save in a background thread (the device-to-host copy itself is synchronous, so the caller may
+        donate or overwrite the state right after `save` returns).
+      checksums: record a sha256 per leaf at save time (needs a host copy of every leaf). Restores always verify
+        the digests a step holds.
+
+    Raises:
+      CheckpointError: `directory` is a file, or holds entries that are not checkpoints (named in the message).
+      ValueError: `keep` < 1.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True, checksums: bool = True):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1 (steps kept on disk), got {keep!r}")
+        self._dir = Path(directory).expanduser().absolute()
+        self._keep = keep
+        self._async = bool(async_save)
+        self._checksums = bool(checksums)
+        self._manager: ocp.CheckpointManager | None = None  # the writer, created at the first save
+        self._check_directory()
+
+    @property
+    def directory(self) -> Path:
+        """The checkpoint folder (absolute)."""
+        return self._dir
+
+    # -- listing ---------------------------------------------------------------------------------------------
+
+    def _check_directory(self) -> None:
+        """Raises CheckpointError when the directory is a file or holds entries that are not checkpoints."""
+        if not self._dir.exists():
+            return
+        if not self._dir.is_dir():
+            raise CheckpointError(f"checkpoint directory {self._dir} is not a directory")
+        stray = []
+        for entry in sorted(os.listdir(self._dir)):
+            path = self._dir / entry
+            if path.is_dir() and (_STEP_RE.match(entry) or _TMP_RE.match(entry) or entry in _ORBAX_ROOT_ENTRIES):
+                continue
+            stray.append(entry + ("/" if path.is_dir() else ""))
+        if stray:
+            raise CheckpointError(
+                f"checkpoint directory {self._dir} holds non-checkpoint entries: {', '.join(stray)}; pass an empty "
+                f"directory or one that holds only checkpoints (nothing was read, written or deleted)")
+
+    def steps(self) -> list[int]:
+        """Returns the step folders on disk, ascending.
+
+        Interrupted saves (`N.orbax-checkpoint-tmp-*`) are ignored. A listed step can still be unusable (an empty
+        or damaged folder): `restore` checks and skips those.
+        """
+        if not self._dir.is_dir():
+            return []
+        return sorted(int(e) for e in os.listdir(self._dir) if _STEP_RE.match(e) and (self._dir / e).is_dir())
+
+    def latest_step(self) -> int | None:
+        """The newest step folder on disk, or None when there is none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- saving ----------------------------------------------------------------------------------------------
+
+    def _writer(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self._keep,
+                create=True,
+                cleanup_tmp_directories=True,
+                enable_async_checkpointing=self._async,
+            )
+            self._manager = ocp.CheckpointManager(self._dir, options=options, item_names=_ITEMS)
+        return self._manager
+
+    def save(self, state: TrainState, config: dict, *, force: bool = False) -> bool:
+        """Starts saving `state` and `config` as step `int(state.step)`.
+
+        The arrays are copied to the host and hashed before this returns (that part is synchronous, and its cost
+        grows with the state's size); writing happens in the background when `async_save`. A previous pending
+        save is waited for first. Once `keep` steps exist, the oldest is deleted after the new one is complete.
+
+        Args:
+          state: the `TrainState` to save.
+          config: the run's settings, a JSON-serializable dict (restored with the state; `restore` compares keys).
+          force: passed to orbax: save even if its save-interval policy would skip this step.
+
+        Returns:
+          True if a save started; False if this step is already on disk (it is never overwritten).
+
+        Raises:
+          ValueError: `config` is not a JSON-serializable dict.
+          CheckpointError: the directory holds non-checkpoint entries, or a step folder newer than this step
+            (orbax would silently refuse every save; remove the newer folders or use another directory).
+        """
+        if not isinstance(config, dict):
+            raise ValueError(f"config must be a dict, got {type(config).__name__}")
+        try:
+            json.dumps(config)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"config must be JSON-serializable: {err}") from None
+        label = int(jax.device_get(state.step))
+        self._check_directory()
+        manager = self._writer()
+        manager.wait_until_finished()  # a pending save may still be creating its folder
+        on_disk = self.steps()
+        if label in on_disk:
+            return False
+        newer = [s for s in on_disk if s > label]
+        if newer:
+            raise CheckpointError(
+                f"cannot save step {label} in {self._dir}: it holds newer step folders {newer} (orbax saves only "
+                f"steps newer than the newest folder); remove them or use another directory")
+        manager.reload()  # orbax caches its step list; steps removed by hand must not block this save
+        integrity = _integrity_record(state, config, self._checksums)
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            config=ocp.args.JsonSave(config),
+            integrity=ocp.args.JsonSave(integrity),
+        )
+        return bool(manager.save(label, args=args, force=force))
+
+    def wait(self) -> None:
+        """Blocks until pending saves are complete (written, committed and old steps deleted).
+
+        Raises:
+          CheckpointError: a background save failed (the cause is chained).
+        """
+        if self._manager is None:
+            return
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001 - orbax re-raises whatever the background thread raised
+            raise CheckpointError(f"saving to {self._dir} failed: {_short(err)}") from err
+
+    def close(self) -> None:
+        """Waits for pending saves, then releases orbax's resources. The object can still save afterwards.
+
+        Raises:
+          CheckpointError: a background save failed.
+        """
+        try:
+            self.wait()
+        finally:
+            if self._manager is not None:
+                self._manager.close()
+                self._manager = None
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- restoring -------------------------------------------------------------------------------------------
+
+    def restore(self, abstract_state: TrainState, expected_config: dict | None = None, *, match_keys=(),
+                step: int | None = None, set_aside: str | Path | None = None) -> tuple[TrainState, dict]:
+        """Restores the newest usable step (or `step`) into `abstract_state` and verifies every leaf's sha256.
+
+        Steps are tried newest first. Each attempt uses a fresh read-only orbax manager; it reads the config and
+        the integrity record, checks them against `expected_config` and `abstract_state` (no array is read before),
+        restores the arrays and recomputes their digests. A step that fails (empty or damaged folder, missing or
+        truncated file, checksum mismatch, any orbax error) is skipped with a warning
+        `checkpoint step N in DIR is unusable (REASON); trying the previous one`. Nothing is written.
+
+        Args:
+          abstract_state: a `TrainState` whose array leaves are `jax.ShapeDtypeStruct`s (e.g.
+            `jax.eval_shape(build_state)`); static fields (`tx`, `policy`, loss-scale hyperparameters) and dtypes
+            come from it. Leaves carrying a `sharding` are restored with it (any device count); others go to the
+            default device.
+          expected_config: this run's settings; needed when `match_keys` is not empty.
+          match_keys: config keys that must equal the saved ones (compared after a JSON round trip).
+          step: restore exactly this step (no fallback) instead of the newest usable one.
+          set_aside: a folder outside the checkpoint directory; when given, unusable steps newer than the restored
+            one are moved there (kept, never deleted, with a warning), so the resumed run can save those steps
+            again. Without it nothing is written.
+
+        Returns:
+          `(state, config)`: the restored `TrainState` and the config dict saved with it.
+
+        Raises:
+          CheckpointMismatchError: a `match_keys` value, the loss-scale type or hyperparameters, the policy, a leaf's
+            presence, dtype or shape, or the pytree structure differs from the checkpoint (names both values).
+          CheckpointError: the directory holds non-checkpoint entries, holds no step, `step` is not on disk or is
+            unusable, or every step is unusable (each listed with its reason).
+          ValueError: a `match_keys` entry is missing from `expected_config`.
+        """
+        match_keys = tuple(match_keys)
+        missing = [k for k in match_keys if expected_config is None or k not in expected_config]
+        if missing:
+            raise ValueError(f"match_keys {missing} are not in expected_config")
+        self.wait()
+        self._check_directory()
+        on_disk = self.steps()
+        if step is not None:
+            if int(step) not in on_disk:
+                raise CheckpointError(f"no checkpoint step {step} in {self._dir}; steps on disk: {on_disk}")
+            candidates = [int(step)]
+        else:
+            candidates = on_disk[::-1]
+        if not candidates:
+            raise CheckpointError(f"no checkpoint in {self._dir}")
+        target = self._with_default_shardings(abstract_state)
+        failures = []
+        for n in candidates:
+            try:
+                restored = self._restore_step(n, target, expected_config, match_keys)
+            except _Unusable as err:
+                failures.append((n, str(err)))
+                # A failed orbax read leaves coroutines and partly read buffers behind; free them before the next
+                # attempt (they also print "Exception ignored in <coroutine ...>" when collected).
+                gc.collect()
+                if step is not None:
+                    raise CheckpointError(f"checkpoint step {n} in {self._dir} is unusable ({err})") from None
+                warnings.warn(f"checkpoint step {n} in {self._dir} is unusable ({err}); trying the previous one",
+                              stacklevel=2)
+                continue
+            if set_aside is not None:
+                self._set_aside([f for f, _ in failures], Path(set_aside))
+            return restored
+        listing = "; ".join(f"step {n} ({self._dir / str(n)}): {why}" for n, why in failures)
+        raise CheckpointError(f"no usable checkpoint in {self._dir}: {listing}")
+
+    def _set_aside(self, steps: list[int], dest: Path) -> None:
+        """Moves unusable step folders out of the checkpoint directory into `dest` (kept for inspection)."""
+        for n in steps:
+            dest.mkdir(parents=True, exist_ok=True)
+            target, k = dest / str(n), 1
+            while target.exists():
+                target, k = dest / f"{n}.{k}", k + 1
+            os.replace(self._dir / str(n), target)
+            warnings.warn(f"moved unusable checkpoint step {n} to {target}", stacklevel=3)
+
+    @staticmethod
+    def _with_default_shardings(abstract_state):
+        """Gives leaves without a sharding the default device, so orbax never falls back to the saved topology."""
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+        def fix(x):
+            if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+                raise ValueError(f"abstract_state leaves must be jax.ShapeDtypeStruct (or arrays), got {type(x)}")
+            sharding = getattr(x, "sharding", None)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if sharding is not None else device)
+
+        return jax.tree.map(fix, abstract_state)
+
+    def _reader(self) -> ocp.CheckpointManager:
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False)
+        return ocp.CheckpointManager(self._dir, options=options, item_names=_ITEMS)
+
+    def _restore_step(self, n: int, target, expected_config, match_keys) -> tuple[TrainState, dict]:
+        step_dir = self._dir / str(n)
+        if not any(step_dir.iterdir()):
+            raise _Unusable("empty step folder")
+        # One fresh read-only manager per attempt: after a failed restore orbax's manager refuses good steps too.
+        manager = self._reader()
+        try:
+            # 1. The JSON items only: config and integrity record.
+            try:
+                meta = manager.restore(n, args=ocp.args.Composite(
+                    config=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore()))
+                config, record = meta.config, meta.integrity
+            except Exception as err:  # noqa: BLE001 - orbax raises anything from KeyError to bare Exception
+                raise _Unusable(f"cannot read its config/integrity record: {_short(err)}") from None
+            if not isinstance(config, dict) or not isinstance(record, dict) or record.get("format") != _FORMAT:
+                raise _Unusable("config or integrity record is missing or not in the expected format")
+            if record.get("config_sha256") != _config_digest(config):
+                raise _Unusable("config JSON does not match its sha256")
+            # 2. Settings and structure: a mismatch means the user changed settings, so it is raised, not skipped.
+            self._check_match(n, config, record, target, expected_config, match_keys)
+            # 3. The arrays, into the abstract target.
+            try:
+                state = manager.restore(n, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+            except Exception as err:  # noqa: BLE001
+                raise _Unusable(f"orbax could not restore the arrays: {_short(err)}") from None
+        finally:
+            manager.close()
+        # 4. Recompute digests.
+        self._verify(n, state, record)
+        return state, config
+
+    def _check_match(self, n, config, record, target, expected_config, match_keys) -> None:
+        where = f"checkpoint at step {n} in {self._dir}"
+        advice = "use a new --workdir or the same settings"
+        for key in match_keys:
+            want = _json_normal(expected_config[key])
+            if key not in config:
+                raise CheckpointMismatchError(
+                    f"{where} was saved without {key} but this run has {key}={_fmt(want)}; {advice}")
+            if config[key] != want:
+                raise CheckpointMismatchError(
+                    f"checkpoint at step {n} was saved with {key}={_fmt(config[key])} but this run has "
+                    f"{key}={_fmt(want)}; {advice}")
+        saved_ls = record.get("loss_scale") or {}
+        this_ls = _json_normal(_loss_scale_record(target.loss_scale))
+        if saved_ls.get("type") != this_ls["type"]:
+            raise CheckpointMismatchError(
+                f"{where} was saved with loss_scale={saved_ls.get('type')} but this run has "
+                f"loss_scale={this_ls['type']}; {advice}")
+        saved_cfg, this_cfg = saved_ls.get("config") or {}, this_ls["config"]
+        for field in sorted(set(saved_cfg) | set(this_cfg)):
+            if saved_cfg.get(field) != this_cfg.get(field):
+                raise CheckpointMismatchError(
+                    f"{where} was saved with loss_scale.{field}={_fmt(saved_cfg.get(field))} but this run has "
+                    f"loss_scale.{field}={_fmt(this_cfg.get(field))}; {advice}")
+        this_policy = policy_name(target.policy)
+        if record.get("policy") != this_policy:
+            raise CheckpointMismatchError(
+                f"{where} was saved with policy={_fmt(record.get('policy'))} but this run has "
+                f"policy={_fmt(this_policy)}; {advice}")
+        saved_leaves = record.get("leaves") or {}
+        flat, _ = jax.tree_util.tree_flatten_with_path(target)
+        target_leaves = {jax.tree_util.keystr(p): x for p, x in flat}
+        extra = [k for k in saved_leaves if k not in target_leaves]
+        absent = [k for k in target_leaves if k not in saved_leaves]
+        if extra or absent:
+            raise CheckpointMismatchError(
+                f"{where} has leaves {extra[:5]} that the restore target lacks and lacks leaves {absent[:5]} that "
+                f"the restore target has; {advice}")
+        for key, x in target_leaves.items():
+            saved = saved_leaves[key]
+            this = {"dtype": _leaf_dtype(x), "shape": list(x.shape)}
+            if (saved.get("dtype"), saved.get("shape")) != (this["dtype"], this["shape"]):
+                raise CheckpointMismatchError(
+                    f"{where} was saved with {key} as {saved.get('dtype')}{saved.get('shape')} but this run has "
+                    f"{this['dtype']}{this['shape']}; {advice}")
+        this_structure = _structure_string(target)
+        if record.get("structure") != this_structure:
+            a, b = _first_difference(str(record.get("structure")), this_structure)
+            raise CheckpointMismatchError(
+                f"{where} was saved with a different pytree structure: saved {a} but this run has {b}; {advice}")
+
+    def _verify(self, n: int, state: TrainState, record: dict) -> None:
+        """Recomputes every leaf's sha256 and compares it with the record; raises _Unusable on a difference."""
+        saved_leaves = record["leaves"]
+        flat, _ = jax.tree_util.tree_flatten_with_path(state)
+        unverified = []
+        whole = [(jax.tree_util.keystr(p), x) for p, x in flat
+                 if not isinstance(x, jax.Array) or x.is_fully_addressable]
+        plain = [(key, x) for key, x in whole if "sha256" in saved_leaves[key]]
+        for (key, _), digest in zip(plain, _digests([x for _, x in plain])):
+            if digest != saved_leaves[key]["sha256"]:
+                raise _Unusable(f"checksum mismatch in {key}")
+        for key, x in whole:
+            if "shards" in saved_leaves[key]:  # saved from a multi-process run: check each saved shard
+                arr = _host_array(x)
+                for index, digest in saved_leaves[key]["shards"].items():
+                    if _sha256(np.ascontiguousarray(arr[_parse_index(index)])) != digest:
+                        raise _Unusable(f"checksum mismatch in {key}[{index}]")
+        for path, x in flat:
+            if not isinstance(x, jax.Array) or x.is_fully_addressable:
+                continue
+            key = jax.tree_util.keystr(path)
+            saved = saved_leaves[key].get("shards")
+            if saved is None and "sha256" not in saved_leaves[key]:
+                continue  # saved with checksums=False
+            checked = False
+            for shard in x.addressable_shards:
+                digest = (saved or {}).get(_index_str(shard.index, x.shape))
+                if digest is not None:
+                    checked = True
+                    if _sha256(_host_array(shard.data)) != digest:
+                        raise _Unusable(f"checksum mismatch in {key}[{_index_str(shard.index, x.shape)}]")
+            if not checked:
+                unverified.append(key)
+        if unverified:
+            warnings.warn(
+                f"checkpoint step {n} in {self._dir}: {len(unverified)} leaves could not be verified on this shard "
+                f"layout (saved with another one): {unverified[:5]}", stacklevel=3)

@@ -1,0 +1,69 @@
+"""Run logs: `metrics.jsonl` (one JSON record per step) and TensorBoard event files (tensorboardX) beside it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+TB_SCALARS = ("loss", "val_loss", "loss_scale", "grads_finite", "skipped_steps", "grad_norm", "lr", "tokens_per_s")
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a `metrics.jsonl`, in file order; [] when the file is absent. A torn last line is dropped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut short by a kill: everything after it is unreliable
+    return records
+
+
+class MetricsLogger:
+    """Appends step records to `WORKDIR/metrics.jsonl` and mirrors scalars to TensorBoard (`WORKDIR/tb`).
+
+    Args:
+      workdir: the run directory.
+      resume_step: on resume, the checkpoint's step: records after it (written after the last save) are dropped
+        through an atomic rewrite, so the file holds each step once.
+      tensorboard: also write TensorBoard event files.
+    """
+
+    def __init__(self, workdir: str | Path, *, resume_step: int = 0, tensorboard: bool = True):
+        self.path = Path(workdir) / "metrics.jsonl"
+        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+        if self.path.exists():
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            os.replace(tmp, self.path)
+        self.skipped = sum(not r["grads_finite"] for r in kept)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(workdir) / "tb"), purge_step=resume_step + 1 if resume_step else None)
+
+    def write(self, records: list[dict]) -> None:
+        """Appends records (each with `step`) and flushes; adds `skipped_steps` (skipped so far) to each."""
+        for record in records:
+            self.skipped += not record["grads_finite"]
+            record["skipped_steps"] = self.skipped
+            self._file.write(json.dumps(record) + "\n")
+            if self._tb is not None:
+                for key in TB_SCALARS:
+                    if key in record:
+                        self._tb.add_scalar(f"train/{key}" if key != "val_loss" else "val/loss",
+                                            float(record[key]), record["step"])
+        self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,74 @@
+"""Precision policies: which dtype each tensor is stored, computed and returned in.
+
+A policy is a `jmp.Policy` (params, compute and output dtypes). jaxamp adds three presets that name the usual
+mixed-precision set-ups; every jmp policy string is accepted as well.
+
+| preset | params (master weights) | compute | output |
+| --- | --- | --- | --- |
+| `"fp32"` | float32 | float32 | float32 |
+| `"bf16"` | float32 | bfloat16 | float32 |
+| `"fp16"` | float32 | float16 | float32 |
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import jmp
+
+Policy = jmp.Policy
+
+PRESETS: dict[str, Policy] = {
+    "fp32": jmp.Policy(jnp.float32, jnp.float32, jnp.float32),
+    "bf16": jmp.Policy(jnp.float32, jnp.bfloat16, jnp.float32),
+    "fp16": jmp.Policy(jnp.float32, jnp.float16, jnp.float32),
+}
+
+_JMP_FORMS = ('"params=float32,compute=float16,output=float32"', '"p=f32,c=bf16"', 'a dtype name such as "float32"')
+
+
+def get_policy(spec: str | Policy) -> Policy:
+    """Returns the precision policy named by `spec`.
+
+    Args:
+      spec: a preset (`"fp32"`, `"bf16"`, `"fp16"`), any policy string that `jmp.get_policy` parses (e.g.
+        `"params=float32,compute=float16,output=float32"` or `"p=f32,c=bf16"`; jmp's rule applies: an unnamed output
+        dtype follows the compute dtype), or a `jmp.Policy`, returned as is.
+
+    Returns:
+      A `jmp.Policy` whose `cast_to_compute` casts the float32 master weights to the compute dtype.
+
+    Raises:
+      ValueError: the name is neither a preset nor a jmp policy string; the message lists the accepted forms.
+    """
+    if isinstance(spec, jmp.Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"precision policy must be a string or jmp.Policy, got {type(spec).__name__}")
+    name = spec.strip()
+    if name.lower() in PRESETS:
+        return PRESETS[name.lower()]
+    try:
+        return jmp.get_policy(name)
+    except (ValueError, KeyError) as err:
+        accepted = ", ".join(f'"{p}"' for p in PRESETS)
+        raise ValueError(
+            f"unknown precision policy {spec!r} ({err}); accepted: the presets {accepted}, or a jmp policy string "
+            f"({'; '.join(_JMP_FORMS)})"
+        ) from None
+
+
+def policy_name(policy: Policy) -> str:
+    """Returns the preset name of `policy` if it is one, else jmp's short form (e.g. `"p=f32,c=f16,o=f32"`)."""
+    for name, preset in PRESETS.items():
+        if preset == policy:
+            return name
+    return str(policy)
+
+
+def needs_loss_scaling(policy: Policy) -> bool:
+    """True when the compute dtype is float16, whose narrow exponent range makes gradients underflow unscaled.
+
+    bfloat16 shares float32's exponent range, so bf16 and fp32 policies train without a loss scale
+    (Micikevicius et al., 2018; torch.amp recommends GradScaler for float16 only).
+    """
+    return jnp.dtype(policy.compute_dtype) == jnp.dtype(jnp.float16)

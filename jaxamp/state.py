@@ -1,0 +1,92 @@
+"""TrainState: what a mixed-precision run is at one instant."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import jmp
+import optax
+
+from jaxamp.loss_scale import LossScale
+
+PyTree = Any
+
+
+def _raw_key(rng: jax.Array) -> jax.Array:
+    """Returns `u32[2]` raw key data for a raw or typed PRNG key (raw keys save and restore as plain arrays)."""
+    rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    if rng.dtype != jnp.uint32 or rng.shape != (2,):
+        raise ValueError(f"rng must be a PRNG key (jax.random.key(seed) or PRNGKey(seed)), got {rng.dtype}{rng.shape}")
+    return rng
+
+
+@flax.struct.dataclass
+class TrainState:
+    """The state of a mixed-precision run: master weights, optimizer state, loss scale, step and RNG.
+
+    A pytree: the array fields cross `jax.jit` as arrays (a new loss-scale value never recompiles); `tx` and
+    `policy` are static, part of the structure. Build it with `TrainState.create`.
+
+    Attributes:
+      step: i32[] `train_step` calls so far = batches consumed (skipped steps included). The one step counter: it
+        drives the data order, per-step dropout keys and checkpoint labels.
+      params: the master weights, in the policy's param dtype (float32 under the presets).
+      opt_state: the optax state of `tx` for `params` (float32 under the presets). Its own count advances only on
+        applied updates, so LR schedules skip overflowed steps.
+      loss_scale: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`.
+      rng: u32[2] raw PRNG key; step s uses `jax.random.fold_in(rng, s)`.
+      tx: the optax transformation (static).
+      policy: the `jmp.Policy` (static).
+    """
+
+    step: jax.Array
+    params: PyTree
+    opt_state: optax.OptState
+    loss_scale: LossScale
+    rng: jax.Array
+    tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+    policy: jmp.Policy = flax.struct.field(pytree_node=False)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        params: PyTree,
+        tx: optax.GradientTransformation,
+        policy: jmp.Policy,
+        loss_scale: LossScale,
+        rng: jax.Array,
+    ) -> "TrainState":
+        """Casts `params` to the policy's param dtype, initialises `tx` on them, and sets `step` to 0.
+
+        Args:
+          params: the initial weights, any float dtype.
+          tx: an optax transformation (clipping, schedules and weight decay inside it see unscaled gradients).
+          policy: a `jmp.Policy`, e.g. `jaxamp.get_policy("fp16")`.
+          loss_scale: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`.
+          rng: a PRNG key, typed (`jax.random.key`) or raw (`jax.random.PRNGKey`); stored raw, `u32[2]`.
+
+        Raises:
+          ValueError: `rng` is not a PRNG key, or `loss_scale` is not a jaxamp loss scale.
+        """
+        if not isinstance(loss_scale, LossScale):
+            raise ValueError(
+                f"loss_scale must be a jaxamp NoOpLossScale, StaticLossScale or DynamicLossScale, got "
+                f"{type(loss_scale).__name__} (jmp's own DynamicLossScale loses min_loss_scale under jit)")
+        params = policy.cast_to_param(params)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and i32 counts (all float32 here)
+            opt_state = tx.init(params)
+        return cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=opt_state,
+            loss_scale=loss_scale,
+            rng=_raw_key(rng),
+            tx=tx,
+            policy=policy,
+        )

@@ -1,0 +1,132 @@
+"""Smoke tests of the benchmark scripts (tiny sizes, as subprocesses) and of the run plotter."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxamp.plotting import PlotError, plot_runs
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# CPU only, and XLA's cheapest backend optimisation: the subprocesses' time is almost all compilation.
+FAST_ENV = {**os.environ, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()}
+
+
+def run_script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=FAST_ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """Markdown table rows keyed by their first cell (the first table that names a key wins)."""
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("| ---"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows.setdefault(cells[0], cells[1:])
+    return rows
+
+
+def number(cell: str) -> float:
+    value = float(cell.replace(",", "").replace("*", "").rstrip("x%"))
+    assert math.isfinite(value), cell
+    return value
+
+
+def test_overhead_benchmark_tiny(tmp_path):
+    out = tmp_path / "overhead.md"
+    proc = run_script("benchmarks/overhead.py", "--layers", "1", "--width", "16", "--heads", "2", "--rounds", "2",
+                      "--steps", "2", "--warmup", "1", "--no-flax-default-check", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert text in proc.stdout  # printed as well
+    assert "os.cpu_count()" in text and "jax " in text and "shared 2-core machine" in text
+    rows = table_rows(text)
+    labels = {key[:3]: cells for key, cells in rows.items() if key[:4] in {"(a) ", "(b) ", "(c) ", "(d) ", "(e) "}}
+    assert sorted(labels) == ["(a)", "(b)", "(c)", "(d)", "(e)"]
+    for label, cells in labels.items():
+        median_ms, tokens_per_s, first_call, xla_compile, traces = (
+            number(cells[0]), number(cells[2]), number(cells[3]), number(cells[7]), number(cells[8]))
+        assert median_ms > 0 and tokens_per_s > 0 and first_call > 0 and xla_compile > 0, (label, cells)
+        assert traces == 1, f"{label} traced {traces} times"  # every variant compiles once over the run
+    ratios = [key for key in rows if key.startswith(("(a)/(b)", "(a)/(c)", "(d)/(e)"))]
+    assert len(ratios) == 3
+    for key in ratios:
+        assert number(rows[key][0]) > 0 and number(rows[key][1]) > 0, rows[key]  # of medians, of fastest rounds
+
+
+def test_gpu_throughput_tiny(tmp_path):
+    out = tmp_path / "gpu.md"
+    proc = run_script("benchmarks/gpu_throughput.py", "--tiny", "--steps", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert text in proc.stdout
+    assert "device: cpu" in text and "jax " in text
+    main_rows, memory_rows = (table_rows(part) for part in text.split("## Memory"))
+    for precision in ("fp32-highest", "fp32", "bf16", "fp16"):
+        cells = main_rows[precision]
+        assert number(cells[0]) > 0 and number(cells[2]) > 0, cells  # step ms, tokens/s
+        assert cells[3] == "n/a"  # MFU: no peak for a CPU
+        mem = memory_rows[precision]
+        assert all(number(c) >= 0 for c in mem), mem
+        assert number(mem[-1]) > 0
+
+
+def _write_run(run_dir: Path, *, steps: int, skipped_at: int | None, precision: str | None, seed: int) -> None:
+    run_dir.mkdir(parents=True)
+    records, skipped, scale = [], 0, 2.0**15
+    for step in range(1, steps + 1):
+        finite = step != skipped_at
+        skipped += not finite
+        record = {"step": step, "loss": 4.2 * math.exp(-step / 40) + 0.3 * math.sin(step * seed) ** 2 + 1.0,
+                  "loss_scale": scale, "grads_finite": finite,
+                  "grad_norm": float("inf") if not finite else 1.0 + 0.5 * math.cos(step),
+                  "lr": 1e-3 * min(1.0, step / 10), "tokens_per_s": 5000.0 + 100 * math.sin(step),
+                  "skipped_steps": skipped}
+        if step % 10 == 0:
+            record["val_loss"] = 4.2 * math.exp(-step / 40) + 1.1
+        records.append(record)
+        if not finite:
+            scale /= 2
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if precision is not None:
+        (run_dir / "summary.json").write_text(json.dumps({"precision": precision, "steps": steps}))
+
+
+def test_plot_runs_png(tmp_path):
+    _write_run(tmp_path / "run_fp16", steps=60, skipped_at=7, precision="fp16", seed=1)
+    _write_run(tmp_path / "run_b", steps=60, skipped_at=None, precision=None, seed=2)
+    out = plot_runs([tmp_path / "run_fp16", tmp_path / "run_b"], tmp_path / "plots" / "curves.png")
+    assert out == tmp_path / "plots" / "curves.png"
+    data = out.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    assert len(data) > 10_000
+
+
+def test_plot_runs_errors(tmp_path):
+    with pytest.raises(PlotError, match="not found"):
+        plot_runs([tmp_path / "missing"], tmp_path / "x.png")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(PlotError, match="no metrics"):
+        plot_runs([tmp_path / "empty"], tmp_path / "x.png")
+    _write_run(tmp_path / "ok", steps=5, skipped_at=None, precision=None, seed=1)
+    with pytest.raises(PlotError, match="labels"):
+        plot_runs([tmp_path / "ok"], tmp_path / "x.png", labels=["a", "b"])
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_cli_missing_dir(tmp_path):
+    proc = run_script("experiments/plot.py", str(tmp_path / "nope"), "--out", str(tmp_path / "p.png"), timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0], proc.stderr
+    assert not (tmp_path / "p.png").exists()

@@ -1,0 +1,50 @@
+import jax.numpy as jnp
+import jmp
+import pytest
+
+from jaxamp import get_policy
+from jaxamp.precision import needs_loss_scaling, policy_name
+
+
+@pytest.mark.parametrize("name,compute", [("fp32", jnp.float32), ("bf16", jnp.bfloat16), ("fp16", jnp.float16)])
+def test_presets(name, compute):
+    policy = get_policy(name)
+    assert policy.param_dtype == jnp.float32
+    assert policy.compute_dtype == compute
+    assert policy.output_dtype == jnp.float32
+    assert policy_name(policy) == name
+    assert get_policy(name.upper()) == policy
+
+
+def test_jmp_strings():
+    p = get_policy("params=float32,compute=float16,output=float32")
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (jnp.float32, jnp.float16, jnp.float32)
+    assert policy_name(p) == "fp16"
+    p = get_policy("p=f32,c=bf16")
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (jnp.float32, jnp.bfloat16, jnp.bfloat16)
+    assert get_policy("float16").param_dtype == jnp.float16
+
+
+def test_policy_passthrough():
+    p = jmp.Policy(jnp.float32, jnp.float16, jnp.float16)
+    assert get_policy(p) is p
+
+
+@pytest.mark.parametrize("bad", ["fp8", "params=float32,compute=float17", "colour=f16", ""])
+def test_unknown_policy_lists_accepted(bad):
+    with pytest.raises(ValueError) as err:
+        get_policy(bad)
+    msg = str(err.value)
+    assert repr(bad) in msg and '"fp32"' in msg and '"fp16"' in msg and '"bf16"' in msg and "p=f32,c=bf16" in msg
+
+
+def test_cast_to_compute_casts_only_floats():
+    tree = {"w": jnp.ones((2,), jnp.float32), "i": jnp.ones((2,), jnp.int32)}
+    out = get_policy("fp16").cast_to_compute(tree)
+    assert out["w"].dtype == jnp.float16 and out["i"].dtype == jnp.int32
+
+
+def test_needs_loss_scaling():
+    assert needs_loss_scaling(get_policy("fp16"))
+    assert not needs_loss_scaling(get_policy("bf16"))
+    assert not needs_loss_scaling(get_policy("fp32"))

@@ -1,0 +1,191 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxamp import (DynamicLossScale, NoOpLossScale, StaticLossScale, TrainState, eval_step, get_policy,
+                    train_step)
+
+step = jax.jit(train_step, static_argnames="loss_fn")
+
+
+def mlp_params(key=0):
+    k1, k2 = jax.random.split(jax.random.key(key))
+    return {"l1": {"w": jax.random.normal(k1, (8, 16)) * 0.3, "b": jnp.zeros((16,))},
+            "l2": {"w": jax.random.normal(k2, (16, 1)) * 0.3, "b": jnp.zeros((1,))}}
+
+
+def mlp_loss(params, batch, rng):
+    """Regression MLP; computes in the params' (compute) dtype, loss in float32."""
+    del rng
+    x = batch["x"].astype(params["l1"]["w"].dtype)
+    h = jnp.tanh(x @ params["l1"]["w"] + params["l1"]["b"])
+    y = (h @ params["l2"]["w"] + params["l2"]["b"]) * batch["poison"].astype(h.dtype)
+    return jnp.mean((y.astype(jnp.float32) - batch["y"]) ** 2)
+
+
+def make_batch(i=0, poison=1.0):
+    kx, ky = jax.random.split(jax.random.key(100 + i))
+    return {"x": jax.random.normal(kx, (32, 8)), "y": jax.random.normal(ky, (32, 1)),
+            "poison": jnp.asarray(poison, jnp.float32)}
+
+
+def make_tx(steps=20):
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, steps, 1e-3)
+    return optax.chain(optax.clip_by_global_norm(0.5),
+                       optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, weight_decay=0.1))
+
+
+def make_state(policy="fp32", loss_scale=None, tx=None):
+    return TrainState.create(params=mlp_params(), tx=tx or make_tx(), policy=get_policy(policy),
+                             loss_scale=loss_scale or NoOpLossScale(), rng=jax.random.key(0))
+
+
+def bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def test_fp32_noop_equals_plain_optax():
+    tx = make_tx()
+    state = make_state(tx=tx)
+    with jax.numpy_dtype_promotion("standard"):  # optax itself is not strict-promotion clean
+        params, opt_state = mlp_params(), tx.init(mlp_params())
+
+    @jax.jit
+    def plain(params, opt_state, batch):
+        grads = jax.grad(mlp_loss)(params, batch, None)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    with jax.numpy_dtype_promotion("standard"):  # optax itself is not strict-promotion clean
+        for i in range(5):
+            state, metrics = step(state, make_batch(i), mlp_loss)
+            params, opt_state = plain(params, opt_state, make_batch(i))
+    assert bool(metrics["grads_finite"]) and int(state.step) == 5
+    for ours, ref in zip(jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves((params, opt_state))):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("policy", ["fp16", "bf16"])
+def test_master_weights_and_optimizer_state_stay_float32(policy):
+    state = make_state(policy, DynamicLossScale(2.0**8, growth_interval=2))
+    structure = jax.tree.structure(state)
+    for i in range(4):
+        state, metrics = step(state, make_batch(i), mlp_loss)
+        assert jax.tree.structure(state) == structure
+        assert all(x.dtype in (jnp.float32, jnp.int32) for x in jax.tree.leaves((state.params, state.opt_state)))
+        assert state.loss_scale.loss_scale.dtype == jnp.float32 and state.step.dtype == jnp.int32
+        assert all(metrics[k].dtype == jnp.float32 for k in ("loss", "grad_norm", "loss_scale"))
+        assert metrics["grads_finite"].dtype == jnp.bool_
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")])
+def test_non_finite_step_is_skipped_bitwise(poison):
+    state = make_state("fp16", DynamicLossScale(2.0**10))
+    state, _ = step(state, make_batch(0), mlp_loss)  # one applied step so opt_state is non-trivial
+    before = state
+    after, metrics = step(state, make_batch(1, poison), mlp_loss)
+    assert not bool(metrics["grads_finite"])
+    assert bits(after.params) == bits(before.params)
+    assert bits(after.opt_state) == bits(before.opt_state)  # optax count and LR schedule did not advance
+    assert float(metrics["loss_scale"]) == 2.0**10 and float(after.loss_scale.loss_scale) == 2.0**9
+    assert int(after.step) == int(before.step) + 1
+    lr_count = lambda s: int(s.opt_state[1].count)
+    assert lr_count(after) == lr_count(before) == 1
+    clean, metrics = step(after, make_batch(2), mlp_loss)  # the next clean step applies normally
+    assert bool(metrics["grads_finite"]) and lr_count(clean) == 2
+    assert bits(clean.params) != bits(after.params)
+
+
+def test_overflow_from_scaled_float16_backward_is_skipped():
+    """A scale too large for float16 overflows in the backward pass; the step is skipped and the scale backs off."""
+    state = make_state("fp16", DynamicLossScale(2.0**24, max_loss_scale=2.0**24))
+    scales = []
+    for i in range(30):
+        state, metrics = step(state, make_batch(i), mlp_loss)
+        scales.append(float(metrics["loss_scale"]))
+        if bool(metrics["grads_finite"]):
+            break
+    assert scales[0] == 2.0**24 and len(scales) > 1 and scales == sorted(scales, reverse=True)
+
+
+def test_clipping_and_update_do_not_depend_on_loss_scale():
+    results = []
+    for exponent in (0, 4, 12, 24):
+        state = make_state("fp32", StaticLossScale(2.0**exponent))
+        state, metrics = step(state, make_batch(0), mlp_loss)
+        assert float(metrics["grad_norm"]) > 0.5  # clipping is active (max norm 0.5)
+        results.append((float(metrics["grad_norm"]), bits(state.params)))
+    assert all(r == results[0] for r in results)
+
+
+def test_underflow_needs_loss_scaling():
+    """Unscaled float16 gradients of ~1e-8 flush to zero; scaled by 2^15 they match float32 within 1%."""
+    a = jax.random.uniform(jax.random.key(1), (1000,), minval=0.5e-4, maxval=2e-4)
+
+    def loss_fn(params, batch, rng):
+        w = params["w"]
+        return (jnp.sum(w * batch.astype(w.dtype)) * jnp.asarray(1e-4, w.dtype)).astype(jnp.float32)
+
+    def gradient(policy, loss_scale):
+        state = TrainState.create(params={"w": jnp.zeros((1000,))}, tx=optax.sgd(1.0), policy=get_policy(policy),
+                                  loss_scale=loss_scale, rng=jax.random.key(0))
+        state, _ = step(state, a, loss_fn)
+        return -np.asarray(state.params["w"])  # sgd(1.0) from zero: params = -grad
+
+    reference = gradient("fp32", NoOpLossScale())
+    unscaled = gradient("fp16", NoOpLossScale())
+    scaled = gradient("fp16", StaticLossScale(2.0**15))
+    assert np.mean(unscaled == 0) > 0.9
+    np.testing.assert_allclose(scaled, reference, rtol=1e-2)
+
+
+def test_ten_steps_with_changing_scale_trace_once():
+    traces = []
+
+    def counting_loss(params, batch, rng):
+        traces.append(1)
+        return mlp_loss(params, batch, rng)
+
+    jitted = jax.jit(train_step, static_argnames="loss_fn", donate_argnums=0)
+    state = make_state("fp16", DynamicLossScale(2.0**4, growth_interval=1))
+    scales = set()
+    for i in range(10):
+        state, metrics = jitted(state, make_batch(i, float("inf") if i == 5 else 1.0), counting_loss)
+        scales.add(float(metrics["loss_scale"]))
+    assert len(scales) >= 5 and len(traces) == 1
+
+
+def test_metrics_outlive_donated_states():
+    """Metrics of many steps are fetched at once (one fetch per logging interval) while states are donated."""
+    jitted = jax.jit(train_step, static_argnames="loss_fn", donate_argnums=0)
+    state, kept = make_state("fp16", DynamicLossScale(2.0**4, growth_interval=1)), []
+    for i in range(4):
+        state, metrics = jitted(state, make_batch(i), mlp_loss)
+        kept.append(metrics)
+    host = jax.device_get(kept)
+    assert [float(m["loss_scale"]) for m in host] == [16.0, 32.0, 64.0, 128.0]
+
+
+def test_rng_per_step_and_aux():
+    seen = []
+
+    def loss_with_aux(params, batch, rng):
+        loss = mlp_loss(params, batch, rng)
+        return loss, {"rng": rng, "double": 2 * loss}
+
+    state = make_state()
+    for i in range(3):
+        state, metrics = step(state, make_batch(i), loss_with_aux)
+        seen.append(np.asarray(metrics["aux"]["rng"]))
+        np.testing.assert_allclose(metrics["aux"]["double"], 2 * metrics["loss"])
+    np.testing.assert_array_equal(seen[1], jax.random.fold_in(state.rng, 1))
+    assert len({s.tobytes() for s in seen}) == 3
+
+
+def test_eval_step_and_bad_loss_shape():
+    state = make_state("bf16")
+    assert eval_step(state, make_batch(0), mlp_loss)["loss"].dtype == jnp.float32
+    with pytest.raises(ValueError, match="scalar loss"):
+        train_step(state, make_batch(0), lambda p, b, r: jnp.ones((2,), jnp.float32))

@@ -1,0 +1,202 @@
+"""End to end: experiments/train_lm.py trains, logs, rejects bad input, checkpoints and resumes to the bit."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxamp.checkpoint import Checkpointer
+from jaxamp.metrics_log import read_metrics
+from jaxamp.train import TrainConfig, build
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "experiments" / "train_lm.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import train_lm  # noqa: E402
+
+TINY = ["--layers", "2", "--heads", "2", "--width", "32", "--seq-len", "32", "--batch-size", "8",
+        "--eval-batches", "4", "--sample-tokens", "20", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The first 60,000 characters of tinyshakespeare (skips where the corpus is absent)."""
+    from conftest import SHAKESPEARE
+
+    if not SHAKESPEARE.exists():
+        pytest.skip(f"tinyshakespeare corpus not found at {SHAKESPEARE}")
+    path = tmp_path_factory.mktemp("data") / "shakespeare_slice.txt"
+    path.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
+    return path
+
+
+def cli(*args, timeout=240):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+def test_fp16_run_lowers_loss_and_writes_metrics(corpus, tmp_path, capsys):
+    workdir = tmp_path / "run"
+    code = train_lm.main(["--data", str(corpus), "--precision", "fp16", "--steps", "30", "--warmup-steps", "5",
+                          "--lr", "3e-3", "--eval-every", "15", "--log-every", "4", "--workdir", str(workdir), *TINY])
+    out = capsys.readouterr().out
+    assert code == 0
+    records = read_metrics(workdir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 31))
+    for key in ("loss", "loss_scale", "grads_finite", "grad_norm", "lr", "tokens_per_s", "skipped_steps"):
+        assert all(key in r for r in records), key
+    assert [r["step"] for r in records if "val_loss" in r] == [15, 30]
+    assert records[0]["lr"] == 0.0 and records[5]["lr"] == pytest.approx(3e-3, rel=1e-6)  # warmup, then peak
+    assert all(r["loss_scale"] >= 1.0 for r in records)
+    first, last = records[0]["loss"], np.mean([r["loss"] for r in records[-5:]])
+    assert last < first - 0.5, (first, last)
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["precision"] == "fp16" and summary["loss_scale_kind"] == "DynamicLossScale"
+    assert summary["steps"] == 30 and summary["val_loss"] == records[-1]["val_loss"]
+    assert "parameters" in out and "256 tokens per step" in out and "sample:" in out and "summary:" in out
+    assert (workdir / "tb").is_dir() and any((workdir / "tb").iterdir())
+
+
+def test_default_corpus_needs_no_download(tmp_path, capsys):
+    code = train_lm.main(["--steps", "3", "--eval-every", "3", "--workdir", str(tmp_path / "run"), *TINY])
+    assert code == 0
+    assert "summary: precision=fp32 steps=3" in capsys.readouterr().out
+
+
+def _bad_inputs(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"hello \xff\xfe world" * 100)
+    short = tmp_path / "short.txt"
+    short.write_text("tiny corpus")
+    return [
+        (["--data", str(tmp_path / "missing.txt")], "missing.txt"),
+        (["--data", str(empty)], "empty"),
+        (["--data", str(binary)], "UTF-8"),
+        (["--data", str(short)], "too short"),
+        (["--precision", "fp8"], "fp8"),
+        (["--lr", "0"], "--lr"),
+        (["--lr", "-1"], "--lr"),
+        (["--steps", "0"], "--steps"),
+        (["--batch-size", "-2"], "--batch-size"),
+        (["--heads", "3"], "--heads (3) must divide --width (32)"),
+    ]
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
+    for args, expected in _bad_inputs(tmp_path):
+        code = train_lm.main([*TINY, *args, "--workdir", str(tmp_path / "w")])
+        err = capsys.readouterr().err.strip()
+        assert code == 2, args
+        assert err.startswith("error: ") and "\n" not in err and expected in err, (args, err)
+
+
+def test_bad_input_exits_without_traceback(tmp_path):
+    result = cli("--data", tmp_path / "missing.txt", "--workdir", tmp_path / "w", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert "missing.txt" in result.stderr
+
+
+# ---- checkpoint and exact resume -------------------------------------------------------------------------------
+
+TOTAL = 300
+RESUME = [*TINY, "--precision", "fp16", "--steps", TOTAL, "--decay-steps", TOTAL, "--init-scale", 2.0**24,
+          "--growth-interval", 20, "--log-every", 1, "--eval-every", 50, "--checkpoint-every", 100,
+          "--sample-tokens", 0]
+
+
+def _with_steps(args, steps):
+    args = list(args)
+    args[args.index("--steps") + 1] = steps
+    return args
+
+
+def restored(workdir, corpus, **overrides):
+    """The newest checkpoint in workdir, restored into the abstract state of the matching config."""
+    cfg = TrainConfig(data=str(corpus), precision="fp16", layers=2, heads=2, width=32, seq_len=32, batch_size=8,
+                      init_scale=2.0**24, growth_interval=20, **overrides)
+    abstract = jax.eval_shape(lambda: build(cfg).state)
+    ckpt = Checkpointer(Path(workdir) / "checkpoints")
+    try:
+        state, _ = ckpt.restore(abstract)
+    finally:
+        ckpt.close()
+    return state
+
+
+def assert_bitwise_equal(a, b):
+    la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
+    assert [p for p, _ in la] == [p for p, _ in lb]
+    for (path, x), (_, y) in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(path)
+        assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    result = cli("--data", corpus, "--workdir", workdir, *RESUME)
+    assert result.returncode == 0, result.stderr
+    return workdir
+
+
+def test_resume_in_new_process_is_bitwise(corpus, uninterrupted, tmp_path):
+    workdir = tmp_path / "resumed"
+    first = cli("--data", corpus, "--workdir", workdir, *_with_steps(RESUME, TOTAL // 2))
+    assert first.returncode == 0, first.stderr
+    second = cli("--data", corpus, "--workdir", workdir, *RESUME)
+    assert second.returncode == 0, second.stderr
+    assert f"resumed from step {TOTAL // 2}" in second.stdout
+    ours, ref = read_metrics(workdir / "metrics.jsonl"), read_metrics(uninterrupted / "metrics.jsonl")
+    assert [r["step"] for r in ours] == list(range(1, TOTAL + 1))  # no duplicate, no missing step
+    assert sum(not r["grads_finite"] for r in ref) >= 1  # the run contains skipped steps
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]
+    assert strip(ours) == strip(ref)
+    assert_bitwise_equal(restored(workdir, corpus), restored(uninterrupted, corpus))
+
+
+def test_sigterm_saves_exits_zero_and_resumes_bitwise(corpus, uninterrupted, tmp_path):
+    workdir = tmp_path / "preempted"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--data", str(corpus), "--workdir", str(workdir),
+                             *map(str, RESUME)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while len(read_metrics(workdir / "metrics.jsonl")) < 5 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.time()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert time.time() - sent < 20
+    records = read_metrics(workdir / "metrics.jsonl")
+    stopped_at = records[-1]["step"]
+    assert stopped_at < TOTAL, "the run finished before SIGTERM arrived"
+    assert f"stopped by SIGTERM after step {stopped_at}" in out
+    ckpt = Checkpointer(workdir / "checkpoints")
+    assert ckpt.latest_step() == stopped_at
+    ckpt.close()
+    resumed = cli("--data", corpus, "--workdir", workdir, *RESUME)
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["step"] for r in read_metrics(workdir / "metrics.jsonl")] == list(range(1, TOTAL + 1))
+    assert_bitwise_equal(restored(workdir, corpus), restored(uninterrupted, corpus))
+
+
+def test_resume_with_other_settings_is_refused_untouched(corpus, uninterrupted):
+    snapshot = lambda: sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in uninterrupted.rglob("*"))
+    before = snapshot()
+    args = list(RESUME)
+    args[args.index("--width") + 1] = 64
+    result = cli("--data", corpus, "--workdir", uninterrupted, *_with_steps(args, TOTAL + 10))
+    assert result.returncode == 2
+    assert "width" in result.stderr and "32" in result.stderr and "64" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert snapshot() == before
