@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_throughput.md"
+TINY_OUT = REPO / "benchmarks" / "results" / "gpu_throughput_tiny.md"  # --tiny never overwrites the real results
 PRECISIONS = {  # name -> (jaxamp policy, dynamic loss scale?, matmul precision or None, peak-table key)
     "fp32-highest": ("fp32", False, "highest", "fp32"),
     "fp32": ("fp32", False, None, "tf32"),
@@ -267,13 +268,15 @@ def parse_args(argv=None):
                    help="which precisions to run (default: all four)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="run each precision in its own subprocess (default: on, off with --tiny)")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown table to write (default: %(default)s)")
+    p.add_argument("--out", default=None, help=f"markdown table to write (default: {DEFAULT_OUT.relative_to(REPO)}, "
+                   f"--tiny: {TINY_OUT.relative_to(REPO)})")
     p.add_argument("--only", choices=list(PRECISIONS), help=argparse.SUPPRESS)  # child mode: one precision
     p.add_argument("--result-json", help=argparse.SUPPRESS)  # child mode: where to write its result
     args = p.parse_args(argv)
     args.steps = args.steps if args.steps is not None else (3 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     args.isolate = args.isolate if args.isolate is not None else not args.tiny
+    args.out = args.out if args.out is not None else str(TINY_OUT if args.tiny else DEFAULT_OUT)
     if args.steps < 1 or args.warmup < 0 or (args.batch_size is not None and args.batch_size < 1):
         p.error("--steps and --batch-size must be >= 1, --warmup >= 0")
     return args

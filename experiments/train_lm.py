@@ -2,6 +2,7 @@
 
     python experiments/train_lm.py                                   # Python stdlib sources, fp32, nanoGPT CPU recipe
     python experiments/train_lm.py --data ../shared/data/tinyshakespeare.txt --precision fp16 --workdir runs/fp16
+    python experiments/train_lm.py --mesh data=8 --batch-size 96                # 8 devices, data parallel
 
 Parses flags and delegates to `jaxamp.train.train`; every flag is a field of `jaxamp.train.TrainConfig`.
 """
@@ -24,7 +25,7 @@ HELP = {
     "layers": "Transformer blocks", "heads": "attention heads", "width": "model width (channels)",
     "seq_len": "tokens per sequence", "batch_size": "sequences per step", "steps": "optimizer steps",
     "lr": "peak learning rate (linear warmup, then cosine decay)", "min_lr": "final learning rate (default lr/10)",
-    "warmup_steps": "warmup steps", "decay_steps": "steps of warmup + cosine decay (default: --steps)", "weight_decay": "AdamW weight decay", "beta1": "Adam beta1",
+    "bias": "biases in Dense and LayerNorm layers (nanoGPT's default: off)", "warmup_steps": "warmup steps", "decay_steps": "steps of warmup + cosine decay (default: --steps)", "weight_decay": "AdamW weight decay", "beta1": "Adam beta1",
     "beta2": "Adam beta2", "grad_clip": "max global gradient norm, unscaled (0 = off)", "dropout": "dropout rate",
     "eval_every": "steps between validation losses", "eval_batches": "batches per validation loss",
     "log_every": "steps between metric fetches", "sample_tokens": "characters sampled at the end",
@@ -32,6 +33,16 @@ HELP = {
     "progress": "show a progress bar (default: on a terminal only)",
     "checkpoint_every": "steps between checkpoints (also saved at the end and on SIGTERM/SIGINT)",
     "keep": "checkpoints kept (newest)",
+    "accum_steps": "micro-batches of --batch-size sequences per optimizer step (float32 gradient accumulation)",
+    "on_overflow": "skip (drop the update, back off) | retry (back off and recompute the same batch)",
+    "max_retries": "retries per step with --on-overflow retry",
+    "underflow_stats": "log the gradients' zero fraction and the loss scale's headroom each step",
+    "max_consecutive_skips": "stop, after saving, when this many steps in a row overflow",
+    "mesh": "devices as 'data=N' (data parallel) or 'data=N,fsdp=M' (params and optimizer state sharded too); "
+            "N*M = all devices of all processes; --batch-size is then the global batch",
+    "coordinator": "HOST:PORT of process 0 for jax.distributed (several processes; or JAX_COORDINATOR_ADDRESS)",
+    "num_processes": "number of processes (or JAX_NUM_PROCESSES)",
+    "process_id": "this process's index, 0 .. num_processes-1 (or JAX_PROCESS_ID)",
 }
 
 
@@ -41,18 +52,19 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for field in dataclasses.fields(TrainConfig):
         flag = "--" + field.name.replace("_", "-")
-        if field.name == "progress":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=HELP[field.name])
+        text = HELP.get(field.name, field.name.replace("_", " "))
+        if str(field.type).startswith("bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue
         kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
-        parser.add_argument(flag, type=kind, default=field.default, help=f"{HELP[field.name]} (default: %(default)s)")
+        parser.add_argument(flag, type=kind, default=field.default, help=f"{text} (default: %(default)s)")
     return TrainConfig(**vars(parser.parse_args(argv)))
 
 
 def main(argv=None) -> int:
     from jaxamp.checkpoint import CheckpointError
     from jaxamp.data import DataError
-    from jaxamp.train import ConfigError, train
+    from jaxamp.train import ConfigError, DivergenceError, train
 
     cfg = parse_args(argv)
     try:
@@ -60,6 +72,9 @@ def main(argv=None) -> int:
     except (ConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except DivergenceError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -270,7 +270,7 @@ class CharDataset:
 
 
 def batch_at(
-    tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int
+    tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int, rows: slice | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The batch for training step ``step``: a pure function of ``(seed, step)``.
 
@@ -285,9 +285,14 @@ def batch_at(
         step: Non-negative step index.
         batch_size: Sequences per batch (>= 1).
         seq_len: Tokens per sequence (>= 1).
+        rows: Only these rows of the batch (e.g. one process's part of a
+            global batch, see ``jaxamp.sharding.make_global_batch``): the
+            same values as ``batch_at(...)[k][rows]``, without gathering the
+            other rows. None = all ``batch_size`` rows.
 
     Returns:
-        ``(inputs, targets)``, both ``i32[batch_size, seq_len]``, with
+        ``(inputs, targets)``, both ``i32[batch_size, seq_len]`` (or
+        ``i32[len(rows), seq_len]``), with
         ``targets[b, t] == inputs[b, t + 1]`` for ``t < seq_len - 1``: each
         target is the token following its input in ``tokens``.
 
@@ -309,6 +314,8 @@ def batch_at(
         )
     rng = np.random.default_rng([seed, step])
     offsets = rng.integers(0, len(tokens) - seq_len, size=batch_size)  # int64[batch]
+    if rows is not None:
+        offsets = offsets[rows]  # the same draws as the whole batch, then only these rows gathered
     index = offsets[:, None] + np.arange(seq_len + 1)[None, :]  # int64[batch, seq + 1]
     windows = tokens[index].astype(np.int32)  # i32[batch, seq + 1]
     return windows[:, :-1], windows[:, 1:]

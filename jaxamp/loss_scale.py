@@ -105,6 +105,10 @@ class LossScale:
         """Returns the loss scale for the next step, given whether this step's gradients were finite."""
         raise NotImplementedError
 
+    def backoff(self) -> "LossScale":
+        """The scale to retry an overflowed step with (`on_overflow="retry"`); fixed scales return themselves."""
+        return self
+
 
 @jax.tree_util.register_pytree_with_keys_class
 class NoOpLossScale(LossScale):
@@ -265,6 +269,13 @@ class DynamicLossScale(LossScale):
             growth_counter=jnp.where(grow, 0, growth_counter).astype(jnp.int32),
             overflow_counter=overflow_counter.astype(jnp.int32),
         )
+
+    def backoff(self) -> "DynamicLossScale":
+        """The scale times `backoff_factor` (floored at `min_loss_scale`), counters reset, hysteresis ignored: the
+        scale to retry an overflowed step with inside the same `train_step` (`on_overflow="retry"`)."""
+        zero = jnp.zeros((), jnp.int32)
+        scale = jnp.maximum(self._loss_scale * self.backoff_factor, self.min_loss_scale).astype(jnp.float32)
+        return self._with(loss_scale=scale, growth_counter=zero, overflow_counter=zero)
 
     def _with(self, *, loss_scale, growth_counter, overflow_counter) -> "DynamicLossScale":
         return DynamicLossScale.tree_unflatten(self._static(), (loss_scale, growth_counter, overflow_counter))

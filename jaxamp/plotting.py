@@ -141,7 +141,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path, labels: Sequ
     ax_norm.set(title="gradient norm (unscaled)", xlabel="step", ylabel="global L2 norm")
     ax_norm.set_yscale("log")
     ax_speed.set(title="throughput", xlabel="step", ylabel="tokens/s")
-    ax_speed.set_ylim(bottom=0)  # the first interval (with compilation) dips towards 0
+    ax_speed.set_ylim(0, ax_speed.get_ylim()[1] * 1.05)  # from 0: the first interval (with compilation) dips
     for ax in (ax_loss, ax_scale, ax_norm, ax_speed):
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -12,6 +12,7 @@ mixed-precision set-ups; every jmp policy string is accepted as well.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import jmp
 
@@ -30,7 +31,7 @@ def get_policy(spec: str | Policy) -> Policy:
     """Returns the precision policy named by `spec`.
 
     Args:
-      spec: a preset (`"fp32"`, `"bf16"`, `"fp16"`), any policy string that `jmp.get_policy` parses (e.g.
+      spec: a preset (`"fp32"`, `"bf16"`, `"fp16"`), `"auto"` (see `auto_precision`), any policy string that `jmp.get_policy` parses (e.g.
         `"params=float32,compute=float16,output=float32"` or `"p=f32,c=bf16"`; jmp's rule applies: an unnamed output
         dtype follows the compute dtype), or a `jmp.Policy`, returned as is.
 
@@ -42,6 +43,8 @@ def get_policy(spec: str | Policy) -> Policy:
     """
     if isinstance(spec, jmp.Policy):
         return spec
+    if isinstance(spec, str) and spec.strip().lower() == "auto":
+        return PRESETS[auto_precision()[0]]
     if not isinstance(spec, str):
         raise ValueError(f"precision policy must be a string or jmp.Policy, got {type(spec).__name__}")
     name = spec.strip()
@@ -50,7 +53,7 @@ def get_policy(spec: str | Policy) -> Policy:
     try:
         return jmp.get_policy(name)
     except (ValueError, KeyError) as err:
-        accepted = ", ".join(f'"{p}"' for p in PRESETS)
+        accepted = ", ".join(f'"{p}"' for p in (*PRESETS, "auto"))
         raise ValueError(
             f"unknown precision policy {spec!r} ({err}); accepted: the presets {accepted}, or a jmp policy string "
             f"({'; '.join(_JMP_FORMS)})"
@@ -72,3 +75,28 @@ def needs_loss_scaling(policy: Policy) -> bool:
     (Micikevicius et al., 2018; torch.amp recommends GradScaler for float16 only).
     """
     return jnp.dtype(policy.compute_dtype) == jnp.dtype(jnp.float16)
+
+
+def auto_precision(device: jax.Device | None = None) -> tuple[str, str]:
+    """Picks a preset for `device` (default: the first device) and says why.
+
+    bf16 where half precision is fast and needs no loss scale (GPUs of compute capability >= 8.0, TPUs); fp16 with
+    dynamic loss scaling on older GPUs (tensor cores since 7.0 run float16 only); fp32 elsewhere (CPUs: XLA:CPU
+    computes half-precision dots in float32, so there is nothing to gain).
+
+    Returns:
+      `(preset name, reason)`, e.g. `("fp32", "cpu: no fast half-precision matmuls")`.
+    """
+    device = device or jax.devices()[0]
+    if device.platform == "tpu":
+        return "bf16", f"{device.device_kind}: TPUs compute in bfloat16 natively"
+    if device.platform == "gpu":
+        capability = getattr(device, "compute_capability", None)
+        try:
+            major = float(capability) if capability is not None else 0.0
+        except ValueError:
+            major = 0.0
+        if major >= 8.0:
+            return "bf16", f"{device.device_kind} (compute capability {capability}): bfloat16 tensor cores"
+        return "fp16", f"{device.device_kind} (compute capability {capability}): float16 only, dynamic loss scale"
+    return "fp32", f"{device.platform}: no fast half-precision matmuls"

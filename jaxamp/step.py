@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp.loss_scale import all_finite
+from jaxamp.grad_stats import underflow_stats
+from jaxamp.loss_scale import all_finite, finite_leaves
 from jaxamp.state import TrainState
 
 PyTree = Any
@@ -29,7 +30,104 @@ def select_tree(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
     return jax.tree.map(lambda a, b: jax.lax.select(pred, a, b), on_true, on_false)
 
 
-def train_step(state: TrainState, batch: PyTree, loss_fn: LossFn) -> tuple[TrainState, dict]:
+class _Grads(NamedTuple):
+    grads: PyTree  # float32, unscaled, like the params
+    loss: jax.Array  # f32[] unscaled mean loss
+    aux: Any  # loss_fn's aux (stacked [accum_steps, ...] under accumulation) or None
+    stats: Any  # underflow_stats dict (averaged over micro-batches; min headroom) or None
+
+
+def _micro_grads(loss_fn, loss_scale, params_c, batch, rng):
+    """Scaled loss -> gradients w.r.t. the compute-dtype params (still scaled, in the compute dtype)."""
+
+    def scaled_loss(params):
+        loss, aux = _split_loss(loss_fn(params, batch, rng))
+        return loss_scale.scale(loss), (loss, aux)
+
+    grads_c, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params_c)
+    return grads_c, loss, aux
+
+
+def _split_micro(batch: PyTree, accum_steps: int) -> PyTree:
+    def split(x):
+        if x.ndim == 0 or x.shape[0] % accum_steps:
+            raise ValueError(f"accum_steps={accum_steps} must divide the batch's leading axis, got shape {x.shape}")
+        return x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:])  # [accum, micro_batch, ...]
+
+    return jax.tree.map(split, batch)
+
+
+def _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps: int, with_stats: bool) -> _Grads:
+    """Float32 unscaled gradients, averaged over `accum_steps` micro-batches (one lax.scan, float32 accumulator)."""
+    params_c = state.policy.cast_to_compute(state.params)
+    stats_of = underflow_stats if with_stats else (lambda g: None)
+    if accum_steps == 1:
+        grads_c, loss, aux = _micro_grads(loss_fn, loss_scale, params_c, batch, rng)
+        return _Grads(loss_scale.unscale(grads_c), loss, aux, stats_of(grads_c))
+
+    def body(carry, xs):
+        acc, loss_sum, stats_acc = carry
+        micro, i = xs
+        grads_c, loss, aux = _micro_grads(loss_fn, loss_scale, params_c, micro, jax.random.fold_in(rng, i))
+        acc = jax.tree.map(jnp.add, acc, loss_scale.unscale(grads_c))
+        stats = stats_of(grads_c)
+        if stats is not None:
+            stats = stats if stats_acc is None else _combine_stats(stats_acc, stats)
+        return (acc, loss_sum + loss, stats), aux
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), state.params)
+    init_stats = None
+    if with_stats:  # zero fractions start at 0 (sums), headroom at +inf (minima)
+        shapes = jax.eval_shape(underflow_stats, params_c)
+        init_stats = {k: jax.tree.map(lambda s, k=k: jnp.full(s.shape, 0.0 if "zero" in k else jnp.inf, s.dtype), v)
+                      for k, v in shapes.items()}
+    (acc, loss_sum, stats), aux = jax.lax.scan(
+        body, (zeros, jnp.zeros((), jnp.float32), init_stats),
+        (_split_micro(batch, accum_steps), jnp.arange(accum_steps)))
+    if stats is not None:
+        stats = {k: (jax.tree.map(lambda v: v / accum_steps, v) if "zero" in k else v) for k, v in stats.items()}
+    grads = jax.tree.map(lambda g: g / accum_steps, acc)
+    return _Grads(grads, loss_sum / accum_steps, aux, stats)
+
+
+def _combine_stats(acc: dict, new: dict) -> dict:
+    """Running sums of zero fractions and minima of headroom over micro-batches."""
+    return {k: jax.tree.map(jnp.add if "zero" in k else jnp.minimum, acc[k], new[k]) for k in acc}
+
+
+def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries):
+    """Backs the scale off and recomputes the same batch until the gradients are finite (`lax.while_loop`)."""
+
+    def attempt(loss_scale):
+        g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, with_stats)
+        return g, all_finite(g.grads)
+
+    first, finite = attempt(state.loss_scale)
+
+    def cond(carry):
+        loss_scale, _, finite, retries = carry
+        progress = loss_scale.backoff().loss_scale < loss_scale.loss_scale
+        return (~finite) & (retries < max_retries) & progress
+
+    def body(carry):
+        loss_scale, _, _, retries = carry
+        loss_scale = loss_scale.backoff()
+        g, finite = attempt(loss_scale)
+        return loss_scale, g, finite, retries + 1
+
+    return jax.lax.while_loop(cond, body, (state.loss_scale, first, finite, jnp.zeros((), jnp.int32)))
+
+
+def train_step(
+    state: TrainState,
+    batch: PyTree,
+    loss_fn: LossFn,
+    *,
+    accum_steps: int = 1,
+    on_overflow: str = "skip",
+    max_retries: int = 4,
+    underflow_stats: bool = False,
+) -> tuple[TrainState, dict]:
     """One mixed-precision optimizer step, pure: `jax.jit(train_step, static_argnames="loss_fn", donate_argnums=0)`.
 
     Order of operations (Micikevicius et al., 2018; torch.amp's autocast + GradScaler; jmp):
@@ -37,57 +135,72 @@ def train_step(state: TrainState, batch: PyTree, loss_fn: LossFn) -> tuple[Train
     1. cast the master params to the policy's compute dtype (`policy.cast_to_compute`);
     2. loss in float32: `loss_fn(compute_params, batch, rng)`, its result cast to float32;
     3. multiply the float32 loss by the loss scale;
-    4. gradient with respect to the master params (the cast's transpose brings the compute-dtype cotangents back
-       to the param dtype, so an float16 overflow arrives as inf);
-    5. unscale in float32 (divide by the scale);
-    6. one finite check over every gradient leaf (`all_finite`);
+    4. gradient with respect to the compute-dtype params (a float16 overflow arrives as inf);
+    5. unscale in float32 (divide by the scale); with `accum_steps` > 1, steps 2-5 run per micro-batch and the
+       float32 gradients are averaged;
+    6. one finite check over every gradient leaf (`all_finite`), once per optimizer step;
     7. optax update on the unscaled gradients, so clipping and weight decay inside `tx` never see the scale;
     8. apply, then select new or old `params` and `opt_state` by the finite flag: on overflow both come back bitwise
        unchanged (optax's count and any LR schedule do not advance);
-    9. adjust the loss scale (backoff or growth); advance `step` (also on a skipped step).
+    9. adjust the loss scale once (backoff or growth); advance `step` (also on a skipped step).
 
     Args:
       state: the `TrainState`. Donating it is safe.
       batch: any pytree; passed to `loss_fn` as is (cast float inputs there with `policy.cast_to_compute` if wanted).
+        With `accum_steps` > 1 every leaf's leading axis is split into `accum_steps` micro-batches.
       loss_fn: `loss_fn(params, batch, rng) -> loss | (loss, aux)`: `params` already in the compute dtype, `rng` a
-        `u32[2]` key for this step, `jax.random.fold_in(state.rng, state.step)`. Static under jit (hashable).
+        `u32[2]` key for this step, `jax.random.fold_in(state.rng, state.step)` (folded again with the micro-batch
+        index under accumulation). Static under jit (hashable).
+      accum_steps: micro-batches per optimizer step (gradient accumulation in float32). Static.
+      on_overflow: `"skip"` (torch.amp, jmp: drop the update, back the scale off) or `"retry"`: back the scale off
+        (`loss_scale.backoff()`, ignoring hysteresis) and recompute the same batch inside this call, up to
+        `max_retries` times, so no batch is lost to a too-high scale; it falls back to a skip when retries run out
+        or the scale cannot go lower. Static.
+      max_retries: retries per step for `"retry"`. Static.
+      underflow_stats: add gradient underflow and headroom statistics to the metrics (`grad_stats.underflow_stats`).
 
     Returns:
-      `(new_state, metrics)`; metrics hold `loss` (f32[], unscaled), `grad_norm` (f32[], global L2 norm of the
-      unscaled gradients before clipping; inf or NaN on overflow), `loss_scale` (f32[], the scale used in this step),
-      `grads_finite` (bool[]) and `aux` (when `loss_fn` returns one).
+      `(new_state, metrics)`; metrics hold `loss` (f32[], unscaled), `loss_finite` (bool[]: False points at the
+      forward pass or the inputs rather than a gradient overflow), `grad_norm` (f32[], global L2 norm of the
+      unscaled gradients before clipping; inf or NaN on overflow), `loss_scale` (f32[], the scale the gradients
+      were finally computed with), `grads_finite` (bool[]), `grads_finite_leaves` (a tree of bool[] like the params:
+      which leaves overflowed), `retries` (i32[]), `aux` when `loss_fn` returns one, and `underflow` when asked.
 
     Raises:
-      ValueError: `loss_fn` returned a non-scalar loss.
+      ValueError: `loss_fn` returned a non-scalar loss, `accum_steps` does not divide the batch, or a bad
+        `on_overflow`/`accum_steps`/`max_retries`.
     """
-    step_rng = jax.random.fold_in(state.rng, state.step)
-    loss_scale = state.loss_scale
-
-    def scaled_loss(params):
-        loss, aux = _split_loss(loss_fn(state.policy.cast_to_compute(params), batch, step_rng))
-        return loss_scale.scale(loss), (loss, aux)
-
-    grads, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(state.params)
-    grads = loss_scale.unscale(grads)
-    grads_finite = all_finite(grads)
+    if on_overflow not in ("skip", "retry"):
+        raise ValueError(f'on_overflow must be "skip" or "retry", got {on_overflow!r}')
+    if accum_steps < 1 or max_retries < 0:
+        raise ValueError(f"accum_steps must be >= 1 and max_retries >= 0, got {accum_steps}, {max_retries}")
+    rng = jax.random.fold_in(state.rng, state.step)
+    if on_overflow == "retry":
+        loss_scale, g, grads_finite, retries = _retry(state, batch, loss_fn, rng, accum_steps, underflow_stats,
+                                                      max_retries)
+    else:
+        loss_scale, retries = state.loss_scale, jnp.zeros((), jnp.int32)
+        g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, underflow_stats)
+        grads_finite = all_finite(g.grads)
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with i32 counts; all float32 here
-        updates, new_opt_state = state.tx.update(grads, state.opt_state, state.params)
+        updates, new_opt_state = state.tx.update(g.grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
     params, opt_state = select_tree(grads_finite, (new_params, new_opt_state), (state.params, state.opt_state))
-    new_state = state.replace(
-        step=state.step + 1,
-        params=params,
-        opt_state=opt_state,
-        loss_scale=loss_scale.adjust(grads_finite),
-    )
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              loss_scale=loss_scale.adjust(grads_finite))
     metrics = {
-        "loss": loss,
-        "grad_norm": optax.tree.norm(grads).astype(jnp.float32),
+        "loss": g.loss,
+        "loss_finite": jnp.isfinite(g.loss),
+        "grad_norm": optax.tree.norm(g.grads).astype(jnp.float32),
         "loss_scale": jnp.copy(loss_scale.loss_scale),  # a new buffer: the state's own is donated next step
         "grads_finite": grads_finite,
+        "grads_finite_leaves": finite_leaves(g.grads),
+        "retries": retries,
     }
-    if aux is not None:
-        metrics["aux"] = aux
+    if g.aux is not None:
+        metrics["aux"] = g.aux
+    if g.stats is not None:
+        metrics["underflow"] = g.stats
     return new_state, metrics
 
 

@@ -23,18 +23,22 @@ import optax
 from tqdm import tqdm
 
 from jaxamp.checkpoint import Checkpointer
+from jaxamp.sharding import (abstract_state, check_distributed_args, distributed_args_from_env, format_mesh_spec,
+                             gather_to_host, initialize_distributed, is_main_process, jit_eval_step, jit_train_step,
+                             make_global_batch, make_mesh, parse_mesh_spec, shard_state)
 from jaxamp.data import CharDataset, batch_at, eval_batches, load_text
+from jaxamp.grad_stats import nonfinite_paths, worst_leaves
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp.metrics_log import MetricsLogger, read_metrics
 from jaxamp.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss, generate
-from jaxamp.precision import get_policy, needs_loss_scaling, policy_name
+from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name
 from jaxamp.state import TrainState
 from jaxamp.step import eval_step, train_step
 
 LOSS_SCALES = ("auto", "dynamic", "static", "none")
 # Options a resumed run must share with the checkpoint (others, e.g. --steps or --eval-every, may change).
 RESUME_MATCH_KEYS = ("corpus_sha256", "vocab_size", "precision", "loss_scale", "init_scale", "growth_interval",
-                     "layers", "heads", "width", "seq_len", "batch_size", "seed", "dropout", "lr", "min_lr",
+                     "layers", "heads", "width", "seq_len", "batch_size", "seed", "dropout", "bias", "lr", "min_lr",
                      "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip")
 
 
@@ -66,18 +70,28 @@ class TrainConfig:
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global norm of the unscaled gradients; 0 = off
     dropout: float = 0.0  # probability
+    bias: bool = False  # biases in Dense and LayerNorm layers (nanoGPT's train.py default: False)
     eval_every: int = 250  # steps between validation estimates (and at the last step)
     eval_batches: int = 50  # batches per validation estimate
     log_every: int = 10  # steps between host fetches of metrics (every step is still recorded)
     sample_tokens: int = 200  # characters generated at the end; 0 = none
     checkpoint_every: int = 500  # steps between checkpoints (and at the end, and on SIGTERM/SIGINT)
+    accum_steps: int = 1  # micro-batches of batch_size sequences per optimizer step (gradient accumulation)
+    on_overflow: str = "skip"  # skip (drop the update) | retry (back off and recompute the same batch)
+    max_retries: int = 4  # retries per step with --on-overflow retry
+    underflow_stats: bool = False  # log gradient zero fraction and loss-scale headroom per step
+    max_consecutive_skips: int = 100  # stop (after saving) when this many steps in a row overflow
     keep: int = 3  # checkpoints kept (newest)
     seed: int = 1337
     workdir: str = "runs/default"
     progress: bool | None = None  # tqdm bar; None = only on a terminal
+    mesh: str | None = None  # "data=N" or "data=N,fsdp=M" over every device (batch_size is global); None = 1 device
+    coordinator: str | None = None  # HOST:PORT of process 0 for jax.distributed (else JAX_COORDINATOR_ADDRESS)
+    num_processes: int | None = None  # processes in all (else JAX_NUM_PROCESSES)
+    process_id: int | None = None  # this process, 0 .. num_processes - 1 (else JAX_PROCESS_ID)
 
     def tokens_per_step(self) -> int:
-        return self.batch_size * self.seq_len
+        return self.batch_size * self.seq_len * self.accum_steps
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -85,7 +99,8 @@ def validate(cfg: TrainConfig) -> None:
     positive = {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "layers": cfg.layers,
                 "heads": cfg.heads, "width": cfg.width, "eval_every": cfg.eval_every,
                 "eval_batches": cfg.eval_batches, "log_every": cfg.log_every, "growth_interval": cfg.growth_interval,
-                "checkpoint_every": cfg.checkpoint_every, "keep": cfg.keep}
+                "checkpoint_every": cfg.checkpoint_every, "keep": cfg.keep, "accum_steps": cfg.accum_steps,
+                "max_consecutive_skips": cfg.max_consecutive_skips}
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
@@ -99,12 +114,31 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("--warmup-steps, --weight-decay and --grad-clip must be >= 0")
     if not 0 <= cfg.dropout < 1:
         raise ConfigError(f"--dropout must lie in [0, 1), got {cfg.dropout}")
+    if cfg.on_overflow not in ("skip", "retry") or cfg.max_retries < 0:
+        raise ConfigError(f"--on-overflow must be skip or retry and --max-retries >= 0, got {cfg.on_overflow!r}, "
+                          f"{cfg.max_retries}")
     if cfg.loss_scale not in LOSS_SCALES:
         raise ConfigError(f"--loss-scale must be one of {', '.join(LOSS_SCALES)}, got {cfg.loss_scale!r}")
     try:
         get_policy(cfg.precision)
     except ValueError as err:
         raise ConfigError(f"--precision: {err}") from None
+    _validate_scale_out(cfg)
+
+
+def _validate_scale_out(cfg: TrainConfig) -> None:
+    """--mesh and the multi-process flags (or JAX_* environment); the device count is checked in `build`."""
+    try:
+        shape = None if cfg.mesh is None else parse_mesh_spec(cfg.mesh)
+        several = check_distributed_args(*distributed_args_from_env(cfg.coordinator, cfg.num_processes,
+                                                                    cfg.process_id))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if shape is not None and cfg.batch_size % math.prod(shape.values()):
+        raise ConfigError(f"--batch-size ({cfg.batch_size}, the global batch) must be divisible by the "
+                          f"{math.prod(shape.values())} devices of --mesh {cfg.mesh}")
+    if several and shape is None:
+        raise ConfigError("several processes need --mesh, e.g. --mesh data=N with N the devices of all processes")
 
 
 def make_loss_scale(cfg: TrainConfig) -> LossScale:
@@ -126,8 +160,9 @@ def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
     """Clip (unscaled gradients) -> AdamW with linear warmup then cosine decay; LR readable from the state."""
     min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
     decay_steps = cfg.steps if cfg.decay_steps is None else cfg.decay_steps  # after it: min_lr
-    schedule = optax.warmup_cosine_decay_schedule(  # optax needs warmup < decay_steps
-        0.0, cfg.lr, min(cfg.warmup_steps, decay_steps - 1), decay_steps, min_lr)
+    warmup = min(cfg.warmup_steps, decay_steps - 1)  # optax needs warmup < decay_steps
+    schedule = optax.warmup_cosine_decay_schedule(  # step 0 runs at lr / (warmup + 1), as nanoGPT
+        cfg.lr / (warmup + 1), cfg.lr, warmup, decay_steps, min_lr)
     decay_mask = jax.tree.map(lambda p: p.ndim >= 2, params)  # matrices and embeddings, as nanoGPT
     adamw = optax.inject_hyperparams(optax.adamw)(
         learning_rate=schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=decay_mask)
@@ -167,6 +202,7 @@ class Run:
     eval_fn: Any
     val_batches: list
     corpus_sha256: str
+    mesh: Any = None  # a jax.sharding.Mesh when cfg.mesh is set: state and batches are global arrays on it
 
     def run_config(self) -> dict:
         """The config saved with each checkpoint: the options plus what the data and model derive from them."""
@@ -177,26 +213,62 @@ class Run:
 def build(cfg: TrainConfig) -> Run:
     """Validates `cfg`, loads the data and builds the model, optimizer, loss scale and initial state."""
     validate(cfg)
+    try:
+        mesh = None if cfg.mesh is None else make_mesh(cfg.mesh)  # checks the device count before any work
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     text = load_text(cfg.data)
     dataset = CharDataset.from_text(text, cfg.seq_len)
     model_cfg = TransformerConfig(vocab_size=dataset.tokenizer.vocab_size, seq_len=cfg.seq_len,
-                                  num_layers=cfg.layers, num_heads=cfg.heads, width=cfg.width, dropout=cfg.dropout)
+                                  num_layers=cfg.layers, num_heads=cfg.heads, width=cfg.width, dropout=cfg.dropout,
+                                  use_bias=cfg.bias)
     model = TransformerLM(model_cfg)
     init_key, state_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
     params = model.init(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
     state = TrainState.create(params=params, tx=make_optimizer(cfg, params), policy=get_policy(cfg.precision),
                               loss_scale=make_loss_scale(cfg), rng=state_key)
+    if mesh is not None:
+        state = shard_state(state, mesh)  # every leaf a global array: params/opt_state by the FSDP rule
     loss_fn = make_loss_fn(model)
 
     def step_with_lr(state, batch):
-        state, metrics = train_step(state, batch, loss_fn)
+        state, metrics = train_step(state, batch, loss_fn, accum_steps=cfg.accum_steps, on_overflow=cfg.on_overflow,
+                                    max_retries=cfg.max_retries, underflow_stats=cfg.underflow_stats)
         return state, {**metrics, "lr": jnp.copy(applied_lr(state.opt_state))}  # own buffer: state is donated
 
     step_fn = jax.jit(step_with_lr, donate_argnums=0)
     eval_fn = jax.jit(lambda s, b: eval_step(s, b, loss_fn)["loss"])
+    if mesh is not None:  # shardings pinned: a step's output feeds the next one (and a restore) with no recompile
+        step_fn = jit_train_step(step_with_lr, mesh)
+        eval_fn = jit_eval_step(lambda s, b: eval_step(s, b, loss_fn)["loss"], mesh)
     val = eval_batches(dataset.val, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                        num_batches=cfg.eval_batches, seed=cfg.seed)
-    return Run(cfg, dataset, model, state, step_fn, eval_fn, val, hashlib.sha256(text.encode()).hexdigest())
+    val = [_device_batch(mesh, b) for b in val]
+    return Run(cfg, dataset, model, state, step_fn, eval_fn, val, hashlib.sha256(text.encode()).hexdigest(), mesh)
+
+
+def _device_batch(mesh, batch):
+    """A whole host batch as is (one device), or as global arrays sharded over `mesh` (this process's rows only)."""
+    if mesh is None:
+        return batch
+    rows = len(jax.tree.leaves(batch)[0])
+    return make_global_batch(lambda a, z: jax.tree.map(lambda x: x[a:z], batch), rows, mesh)
+
+
+def train_batch(run: Run, step: int):
+    """The global training batch of step `step`; with a mesh, each process gathers only its own rows."""
+    cfg, rows = run.cfg, run.cfg.batch_size * run.cfg.accum_steps  # accum_steps micro-batches, split in the step
+    if run.mesh is None:
+        return batch_at(run.dataset.train, seed=cfg.seed, step=step, batch_size=rows, seq_len=cfg.seq_len)
+    return make_global_batch(lambda a, z: batch_at(run.dataset.train, seed=cfg.seed, step=step,
+                                                   batch_size=rows, seq_len=cfg.seq_len, rows=slice(a, z)),
+                             rows, run.mesh)
+
+
+def _say(message: str) -> None:
+    """Prints from process 0 only (every process runs the same loop)."""
+    if is_main_process():
+        print(message, flush=True)
 
 
 def evaluate(run: Run, state: TrainState) -> float:
@@ -212,26 +284,104 @@ def _records(metrics: list[dict], first_step: int, t0: float, tokens_per_step: i
     """
     host = jax.device_get(metrics)
     tokens_per_s = tokens_per_step * len(host) / max(time.perf_counter() - t0, 1e-9)
-    return [{"step": first_step + i + 1, "loss": float(m["loss"]), "loss_scale": float(m["loss_scale"]),
-             "grads_finite": bool(m["grads_finite"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
-             "tokens_per_s": tokens_per_s} for i, m in enumerate(host)]
+    return [_record(first_step + i + 1, m, tokens_per_s) for i, m in enumerate(host)]
 
 
+def _record(step: int, m: dict, tokens_per_s: float) -> dict:
+    """One metrics.jsonl record; overflowed leaves are named (on the host) for skipped steps only."""
+    record = {"step": step, "loss": float(m["loss"]), "loss_scale": float(m["loss_scale"]),
+              "grads_finite": bool(m["grads_finite"]), "loss_finite": bool(m["loss_finite"]),
+              "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]), "retries": int(m["retries"]),
+              "tokens_per_s": tokens_per_s}
+    if not record["grads_finite"]:
+        record["nonfinite_leaves"] = nonfinite_paths(m["grads_finite_leaves"])
+    if "underflow" in m:
+        u = m["underflow"]
+        record.update(grad_zero_fraction=float(u["zero_fraction"]), headroom_log2=float(u["headroom_log2"]),
+                      worst_zero_leaves=worst_leaves(u["leaf_zero_fraction"], 3),
+                      worst_headroom_leaves=worst_leaves(u["leaf_headroom_log2"], 3, largest=False))
+    return record
+
+
+class DivergenceError(RuntimeError):
+    """Training stopped because steps kept overflowing; the last good state was saved first."""
+
+
+class DivergenceGuard:
+    """Counts consecutive skipped steps in the host records; says why to stop, or None.
+
+    Stops after `max_skips` skipped steps in a row, or after `at_min` in a row while the loss scale already sits at
+    its minimum (a lower scale cannot help any more).
+    """
+
+    def __init__(self, max_skips: int, min_scale: float, at_min: int = 10):
+        self.max_skips, self.min_scale, self.at_min = max_skips, min_scale, min(at_min, max_skips)
+        self.streak = self.streak_at_min = 0
+
+    def check(self, records: list[dict]) -> str | None:
+        for r in records:
+            skipped = not r["grads_finite"]
+            self.streak = self.streak + 1 if skipped else 0
+            self.streak_at_min = self.streak_at_min + 1 if skipped and r["loss_scale"] <= self.min_scale else 0
+            if self.streak >= self.max_skips or self.streak_at_min >= self.at_min:
+                return self._reason(r)
+        return None
+
+    def _reason(self, r: dict) -> str:
+        where = "the loss itself is not finite (NaN/inf from the inputs or the forward pass)" if not r[
+            "loss_finite"] else f"gradient overflow in {', '.join(r.get('nonfinite_leaves', [])[:5]) or '?'}"
+        at_min = self.streak_at_min >= self.at_min
+        why = (f"{self.streak_at_min} consecutive overflows at the minimum loss scale {self.min_scale:g}" if at_min
+               else f"{self.streak} consecutive skipped steps (--max-consecutive-skips {self.max_skips})")
+        return (f"training diverged at step {r['step']}: {why}; {where}; lower --lr, check the data, or try "
+                "--precision bf16")
+
+
+
+
+class _NullLogger:
+    """The metrics logger of processes other than 0: they compute the same records and write nothing."""
+
+    skipped = 0
+
+    def write(self, records: list[dict]) -> None:
+        del records
+
+    def close(self) -> None:
+        pass
 
 
 class StopRequest:
     """SIGTERM/SIGINT handler for the loop: the first signal asks it to finish the step, save and exit 0; a second
-    SIGINT exits at once (status 130; the last complete checkpoint is untouched: orbax writes into a tmp folder)."""
+    SIGINT exits at once (status 130; the last complete checkpoint is untouched: orbax writes into a tmp folder).
+
+    In a multi-process run the signal a process received takes effect at the next `sync()` (the loop calls it every
+    `log_every` steps, at the same step on every process), for every process at once: a process that stopped alone
+    would leave the others waiting in a collective."""
 
     def __init__(self):
         self.signal: int | None = None
+        self._received: int | None = None
+        self._several = jax.process_count() > 1
         self._previous = {}
 
     def _handle(self, signum, frame):
         del frame
-        if self.signal is not None and signum == signal.SIGINT:
+        if (self._received is not None or self.signal is not None) and signum == signal.SIGINT:
             os._exit(130)
-        self.signal = signum
+        self._received = signum
+        if not self._several:
+            self.signal = signum
+
+    def sync(self) -> None:
+        """Multi-process runs: a collective that sets `signal` on every process if any process received one."""
+        if not self._several or self.signal is not None:
+            return
+        from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+        got = np.asarray(multihost_utils.process_allgather(np.int32(self._received or 0))).reshape(-1)
+        if got.any():
+            self.signal = int(got[np.flatnonzero(got)[0]])
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -247,14 +397,17 @@ def _header(run: Run) -> str:
     cfg, n = run.cfg, count_params(run.state.params)
     return (f"jaxamp: {n:,} parameters ({n * 4 / 2**20:.1f} MiB float32 master weights); vocab "
             f"{run.dataset.tokenizer.vocab_size}; train {len(run.dataset.train):,} / val {len(run.dataset.val):,} "
-            f"tokens; {cfg.tokens_per_step():,} tokens per step; precision {policy_name(run.state.policy)}; "
-            f"loss scale {type(run.state.loss_scale).__name__}")
+            f"tokens; {cfg.tokens_per_step():,} tokens per step; precision {policy_name(run.state.policy)}"
+            f"{' (auto: ' + auto_precision()[1] + ')' if cfg.precision.strip().lower() == 'auto' else ''}; "
+            f"loss scale {type(run.state.loss_scale).__name__}"
+            + ("" if run.mesh is None else f"; mesh {format_mesh_spec(run.mesh)} over {jax.device_count()} devices "
+               f"({jax.process_count()} process(es)), global batch {cfg.batch_size}"))
 
 
 def _sample(run: Run, state: TrainState) -> str:
     tok = run.dataset.tokenizer
     prompt = tok.encode("\n") if "\n" in tok.chars else np.zeros((1,), np.int32)
-    params = state.policy.cast_to_compute(state.params)
+    params = state.policy.cast_to_compute(state.params if run.mesh is None else gather_to_host(state.params))
     ids = generate(run.model, {"params": params}, prompt, run.cfg.sample_tokens, jax.random.PRNGKey(run.cfg.seed))
     return tok.decode(np.asarray(ids).reshape(-1))
 
@@ -263,6 +416,7 @@ def _summary(run: Run, state: TrainState, records: list[dict], wall_s: float) ->
     cfg = run.cfg
     train_eval = eval_batches(run.dataset.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                               num_batches=cfg.eval_batches, seed=cfg.seed)
+    train_eval = [_device_batch(run.mesh, b) for b in train_eval]
     train_loss = float(np.mean(jax.device_get([run.eval_fn(state, b) for b in train_eval])))
     speeds = [r["tokens_per_s"] for r in records[cfg.log_every:]] or [r["tokens_per_s"] for r in records]
     val = [r["val_loss"] for r in records if "val_loss" in r]
@@ -295,10 +449,10 @@ def _resume(run: Run, ckpt: Checkpointer) -> TrainState:
     """The newest usable checkpoint's state, or the fresh state when the workdir has none."""
     if ckpt.latest_step() is None:
         return run.state
-    abstract = jax.eval_shape(lambda: run.state)
+    abstract = jax.eval_shape(lambda: run.state) if run.mesh is None else abstract_state(run.state, run.mesh)
     state, _ = ckpt.restore(abstract, run.run_config(), match_keys=RESUME_MATCH_KEYS,
                             set_aside=Path(run.cfg.workdir) / "unusable-checkpoints")
-    print(f"resumed from step {int(state.step)} ({ckpt.directory})", flush=True)
+    _say(f"resumed from step {int(state.step)} ({ckpt.directory})")
     return state
 
 
@@ -328,8 +482,7 @@ class _Loop:
     def step(self, state: TrainState, step: int) -> TrainState:
         """Runs step `step` (== state.step, mirrored on the host so the loop never waits on the device)."""
         cfg = self.run.cfg
-        batch = batch_at(self.run.dataset.train, seed=cfg.seed, step=step, batch_size=cfg.batch_size,
-                         seq_len=cfg.seq_len)
+        batch = train_batch(self.run, step)
         state, metrics = self.step_fn(state, batch)
         self.pending.append(metrics)
         return state
@@ -345,12 +498,17 @@ def train(cfg: TrainConfig) -> dict:
     Raises:
       ConfigError: a bad option. DataError: a bad corpus. CheckpointError: an unusable or mismatched checkpoint.
     """
+    _validate_scale_out(cfg)  # no JAX call (validate's --precision auto asks for the devices)
+    try:  # before any other JAX call
+        initialize_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     run = build(cfg)
     workdir, ckpt = _open_workdir(cfg)
     try:
         state = _resume(run, ckpt)
-        print(_header(run), flush=True)
-        logger = MetricsLogger(workdir, resume_step=int(state.step))
+        _say(_header(run))
+        logger = MetricsLogger(workdir, resume_step=int(state.step)) if is_main_process() else _NullLogger()
         state, stopped_by, wall_s = _train_loop(run, ckpt, logger, state)
         logger.close()
         ckpt.wait()
@@ -358,29 +516,51 @@ def train(cfg: TrainConfig) -> dict:
         ckpt.close()
     summary = _summary(run, state, read_metrics(workdir / "metrics.jsonl"), wall_s)
     summary["stopped_by"] = stopped_by
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if is_main_process():
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if stopped_by:
-        print(f"stopped by {stopped_by} after step {int(state.step)}; checkpoint saved; run the same command to "
-              "resume", flush=True)
+        _say(f"stopped by {stopped_by} after step {int(state.step)}; checkpoint saved; run the same command to "
+             "resume")
     elif cfg.sample_tokens > 0:
-        print("sample:\n" + _sample(run, state), flush=True)
-    print(_summary_line(summary), flush=True)
+        _say("sample:\n" + _sample(run, state))
+    _say(_summary_line(summary))
     return summary
+
+
+def _report_skips(bar, records: list[dict]) -> None:
+    """One line per logging interval with skipped steps: which step, why, and which leaves overflowed."""
+    skipped = [r for r in records if not r["grads_finite"]]
+    if skipped and is_main_process():
+        r = skipped[0]
+        why = "non-finite loss" if not r["loss_finite"] else f"overflow at loss scale {r['loss_scale']:g}"
+        leaves = ", ".join(r["nonfinite_leaves"][:3]) + (" ..." if len(r["nonfinite_leaves"]) > 3 else "")
+        bar.write(f"step {r['step']}: skipped ({why}) in {leaves}" +
+                  (f"; {len(skipped) - 1} more skipped up to step {records[-1]['step']}" if len(skipped) > 1 else ""))
 
 
 def _train_loop(run: Run, ckpt: Checkpointer, logger: MetricsLogger, state: TrainState):
     cfg, loop = run.cfg, _Loop(run, ckpt, logger)
     bar = tqdm(total=cfg.steps, initial=min(int(state.step), cfg.steps), dynamic_ncols=True,
-               disable=(not cfg.progress) if cfg.progress is not None else None)
+               disable=not is_main_process() or ((not cfg.progress) if cfg.progress is not None else None))
     t_start, stopped_by, done = time.perf_counter(), None, int(state.step)
+    guard = DivergenceGuard(cfg.max_consecutive_skips, getattr(state.loss_scale, "min_loss_scale", 1.0))
     with StopRequest() as stop:
         while done < cfg.steps and stop.signal is None:
             state = loop.step(state, done)
             done += 1
+            if done % cfg.log_every == 0:
+                stop.sync()  # several processes: agree on a signal (a no-op in one process)
             at_eval = done % cfg.eval_every == 0 or done == cfg.steps
             at_save = done % cfg.checkpoint_every == 0 or done == cfg.steps
             if at_eval or at_save or done % cfg.log_every == 0 or stop.signal is not None:
                 new = loop.flush(state, done, evaluate_now=at_eval)
+                _report_skips(bar, new)
+                diverged = guard.check(new)
+                if diverged:
+                    loop.save(state, force=True)
+                    ckpt.wait()
+                    raise DivergenceError(f"{diverged}; the last good state is saved as step {done} in "
+                                          f"{ckpt.directory}")
                 bar.update(len(new))
                 bar.set_postfix(loss=f"{new[-1]['loss']:.3f}", scale=f"{new[-1]['loss_scale']:g}",
                                 tok_s=f"{new[-1]['tokens_per_s']:.0f}")

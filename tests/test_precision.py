@@ -48,3 +48,23 @@ def test_needs_loss_scaling():
     assert needs_loss_scaling(get_policy("fp16"))
     assert not needs_loss_scaling(get_policy("bf16"))
     assert not needs_loss_scaling(get_policy("fp32"))
+
+
+def test_auto_resolves_to_fp32_on_cpu():
+    from jaxamp.precision import auto_precision
+
+    name, reason = auto_precision()
+    assert name == "fp32" and "cpu" in reason
+    assert get_policy("auto") == get_policy("fp32")
+
+
+def test_auto_precision_on_accelerators():
+    from types import SimpleNamespace
+
+    from jaxamp.precision import auto_precision
+
+    h100 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100", compute_capability="9.0")
+    v100 = SimpleNamespace(platform="gpu", device_kind="Tesla V100", compute_capability="7.0")
+    tpu = SimpleNamespace(platform="tpu", device_kind="TPU v5e")
+    assert auto_precision(h100)[0] == "bf16" and auto_precision(tpu)[0] == "bf16"
+    assert auto_precision(v100)[0] == "fp16"

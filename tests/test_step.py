@@ -189,3 +189,125 @@ def test_eval_step_and_bad_loss_shape():
     assert eval_step(state, make_batch(0), mlp_loss)["loss"].dtype == jnp.float32
     with pytest.raises(ValueError, match="scalar loss"):
         train_step(state, make_batch(0), lambda p, b, r: jnp.ones((2,), jnp.float32))
+
+
+# ---- accumulation, retry, localisation, underflow statistics ----------------------------------------------------
+
+def rows_loss(params, batch, rng):
+    """mlp_loss with a per-row poison (inf/NaN in chosen rows only)."""
+    del rng
+    x = batch["x"].astype(params["l1"]["w"].dtype)
+    h = jnp.tanh(x @ params["l1"]["w"] + params["l1"]["b"])
+    y = (h @ params["l2"]["w"] + params["l2"]["b"]) * batch["poison"][:, None].astype(h.dtype)
+    return jnp.mean((y.astype(jnp.float32) - batch["y"]) ** 2)
+
+
+def rows_batch(i=0, n=32, poison_rows=()):
+    b = make_batch(i)
+    poison = np.ones((n,), np.float32)
+    poison[list(poison_rows)] = np.inf
+    kx, ky = jax.random.split(jax.random.key(200 + i))
+    return {"x": jax.random.normal(kx, (n, 8)), "y": jax.random.normal(ky, (n, 1)), "poison": jnp.asarray(poison)}
+
+
+def sgd_gradient(policy, batch, accum_steps, loss_scale=None):
+    """The gradient a step applied: sgd(1.0) from the initial params, so grad = params_before - params_after."""
+    state = make_state(policy, loss_scale, tx=optax.sgd(1.0))
+    new, metrics = jax.jit(train_step, static_argnames=("loss_fn", "accum_steps"))(
+        state, batch, rows_loss, accum_steps=accum_steps)
+    grads = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), state.params, new.params)
+    return grads, new, metrics
+
+
+@pytest.mark.parametrize("policy,rtol", [("fp32", 1e-5), ("fp16", 1e-3)])
+def test_accumulation_equals_one_big_batch(policy, rtol):
+    batch = rows_batch(0, n=32)
+    scale = DynamicLossScale(2.0**8) if policy == "fp16" else None
+    big, _, m1 = sgd_gradient(policy, batch, 1, scale)
+    acc, _, m4 = sgd_gradient(policy, batch, 4, scale)
+    for a, b in zip(jax.tree.leaves(acc), jax.tree.leaves(big)):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6 if policy == "fp32" else 1e-4)
+    np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=rtol)
+
+
+def test_accumulation_updates_the_scale_once_per_window():
+    state = make_state("fp16", DynamicLossScale(2.0**4, growth_interval=1))
+    step4 = jax.jit(train_step, static_argnames=("loss_fn", "accum_steps"))
+    state, metrics = step4(state, rows_batch(0), rows_loss, accum_steps=4)
+    assert bool(metrics["grads_finite"]) and float(state.loss_scale.loss_scale) == 2.0**5  # grew once, not 4 times
+    before = state
+    state, metrics = step4(state, rows_batch(1, poison_rows=[17]), rows_loss, accum_steps=4)  # micro-batch 2 only
+    assert not bool(metrics["grads_finite"])
+    assert float(state.loss_scale.loss_scale) == 2.0**4  # backed off once
+    assert bits(state.params) == bits(before.params) and bits(state.opt_state) == bits(before.opt_state)
+    with pytest.raises(ValueError, match="accum_steps=5 must divide"):
+        train_step(state, rows_batch(0), rows_loss, accum_steps=5)
+
+
+def test_retry_recovers_the_batch_at_the_lower_scale():
+    retry = jax.jit(train_step, static_argnames=("loss_fn", "on_overflow", "max_retries"))
+    state = make_state("fp16", DynamicLossScale(2.0**24, max_loss_scale=2.0**24))
+    new, metrics = retry(state, rows_batch(0), rows_loss, on_overflow="retry", max_retries=30)
+    retries = int(metrics["retries"])
+    assert bool(metrics["grads_finite"]) and retries >= 1
+    assert float(metrics["loss_scale"]) == 2.0 ** (24 - retries)
+    assert int(new.opt_state[1].count) == 1  # the batch was applied, not dropped
+    reference = make_state("fp16", DynamicLossScale(2.0 ** (24 - retries), max_loss_scale=2.0**24))
+    ref_new, ref_metrics = step(reference, rows_batch(0), rows_loss)
+    assert bool(ref_metrics["grads_finite"])
+    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(ref_new.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # with too few retries allowed it falls back to a skip
+    _, capped = retry(state, rows_batch(0), rows_loss, on_overflow="retry", max_retries=0)
+    assert not bool(capped["grads_finite"]) and int(capped["retries"]) == 0
+
+
+@jax.custom_vjp
+def poison_gradient(x, poison):
+    return x
+
+
+poison_gradient.defvjp(lambda x, p: (x, p), lambda p, g: (g * p.astype(g.dtype), jnp.zeros_like(p)))
+
+
+def test_overflow_localisation_names_exactly_the_poisoned_leaf():
+    from jaxamp.grad_stats import nonfinite_paths
+
+    def loss_fn(params, batch, rng):
+        params = {**params, "l2": {**params["l2"], "w": poison_gradient(params["l2"]["w"], batch["gpoison"])}}
+        return mlp_loss(params, batch, rng)
+
+    state = make_state("fp16", DynamicLossScale(2.0**8))
+    _, metrics = step(state, {**make_batch(0), "gpoison": jnp.asarray(jnp.inf, jnp.float16)}, loss_fn)
+    assert not bool(metrics["grads_finite"]) and bool(metrics["loss_finite"])
+    assert nonfinite_paths(jax.device_get(metrics["grads_finite_leaves"])) == ["['l2']['w']"]
+
+
+def test_loss_finite_separates_bad_inputs_from_gradient_overflow():
+    state = make_state("fp16", DynamicLossScale(2.0**8))
+    bad = make_batch(0)
+    bad["x"] = bad["x"].at[3, 2].set(jnp.nan)
+    _, metrics = step(state, bad, mlp_loss)
+    assert not bool(metrics["loss_finite"]) and not bool(metrics["grads_finite"])
+    overflow = make_state("fp16", DynamicLossScale(2.0**24, max_loss_scale=2.0**24))
+    _, metrics = step(overflow, make_batch(0), mlp_loss)
+    assert bool(metrics["loss_finite"]) and not bool(metrics["grads_finite"])
+
+
+def test_underflow_stats_in_metrics():
+    stats_step = jax.jit(train_step, static_argnames=("loss_fn", "underflow_stats", "accum_steps"))
+    a = jax.random.uniform(jax.random.key(1), (32, 8), minval=0.5e-4, maxval=2e-4)
+
+    def tiny_loss(params, batch, rng):
+        return mlp_loss(params, {**batch, "x": batch["x"] * a}, rng) * jnp.float32(1e-4)
+
+    zero = {}
+    for name, ls in (("none", NoOpLossScale()), ("scaled", StaticLossScale(2.0**15))):
+        _, metrics = stats_step(make_state("fp16", ls), make_batch(0), tiny_loss, underflow_stats=True)
+        zero[name] = float(metrics["underflow"]["zero_fraction"])
+        assert set(metrics["underflow"]["leaf_zero_fraction"]) == {"l1", "l2"}
+    assert zero["none"] > zero["scaled"] + 0.2
+    _, metrics = stats_step(make_state("fp16", StaticLossScale(2.0**10)), rows_batch(0), rows_loss,
+                            underflow_stats=True, accum_steps=4)
+    assert 0 <= float(metrics["underflow"]["zero_fraction"]) <= 1
+    assert np.isfinite(float(metrics["underflow"]["headroom_log2"]))

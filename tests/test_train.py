@@ -53,7 +53,7 @@ def test_fp16_run_lowers_loss_and_writes_metrics(corpus, tmp_path, capsys):
     for key in ("loss", "loss_scale", "grads_finite", "grad_norm", "lr", "tokens_per_s", "skipped_steps"):
         assert all(key in r for r in records), key
     assert [r["step"] for r in records if "val_loss" in r] == [15, 30]
-    assert records[0]["lr"] == 0.0 and records[5]["lr"] == pytest.approx(3e-3, rel=1e-6)  # warmup, then peak
+    assert records[0]["lr"] == pytest.approx(3e-3 / 6) and records[5]["lr"] == pytest.approx(3e-3, rel=1e-6)  # warmup
     assert all(r["loss_scale"] >= 1.0 for r in records)
     first, last = records[0]["loss"], np.mean([r["loss"] for r in records[-5:]])
     assert last < first - 0.5, (first, last)
@@ -61,7 +61,28 @@ def test_fp16_run_lowers_loss_and_writes_metrics(corpus, tmp_path, capsys):
     assert summary["precision"] == "fp16" and summary["loss_scale_kind"] == "DynamicLossScale"
     assert summary["steps"] == 30 and summary["val_loss"] == records[-1]["val_loss"]
     assert "parameters" in out and "256 tokens per step" in out and "sample:" in out and "summary:" in out
-    assert (workdir / "tb").is_dir() and any((workdir / "tb").iterdir())
+    scalars = tensorboard_scalars(workdir / "tb")
+    assert [step for step, _ in scalars["train/loss_scale"]] == list(range(1, 31))
+    assert [v for _, v in scalars["train/loss_scale"]] == [r["loss_scale"] for r in records]
+    assert {"train/loss", "val/loss", "train/grads_finite", "train/skipped_steps", "train/lr"} <= set(scalars)
+
+
+def tensorboard_scalars(logdir) -> dict:
+    """{tag: [(step, value)]} read back from the TFRecord event files tensorboardX wrote."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = {}
+    for path in sorted(Path(logdir).glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
 
 
 def test_default_corpus_needs_no_download(tmp_path, capsys):
@@ -200,3 +221,55 @@ def test_resume_with_other_settings_is_refused_untouched(corpus, uninterrupted):
     assert "width" in result.stderr and "32" in result.stderr and "64" in result.stderr
     assert "Traceback" not in result.stderr
     assert snapshot() == before
+
+
+# ---- loss-scaling options of the experiment ------------------------------------------------------------------------
+
+def test_divergence_guard_stops_after_saving(corpus, tmp_path, capsys):
+    workdir = tmp_path / "diverged"
+    code = train_lm.main(["--data", str(corpus), "--precision", "fp16", "--loss-scale", "static", "--init-scale",
+                          "1e30", "--steps", "40", "--max-consecutive-skips", "6", "--log-every", "2",
+                          "--workdir", str(workdir), *TINY])
+    err = capsys.readouterr().err.strip()
+    assert code == 3
+    assert err.startswith("error: training diverged at step 6: 6 consecutive skipped steps") and "\n" not in err
+    assert "gradient overflow in ['" in err
+    records = read_metrics(workdir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 7)) and not any(r["grads_finite"] for r in records)
+    assert all(r["loss_finite"] and r["nonfinite_leaves"] for r in records)
+    ckpt = Checkpointer(workdir / "checkpoints")
+    assert ckpt.latest_step() == 6
+    ckpt.close()
+
+
+def test_retry_and_accumulation_flags(corpus, tmp_path, capsys):
+    workdir = tmp_path / "retry"
+    code = train_lm.main(["--data", str(corpus), "--precision", "fp16", "--init-scale", str(2.0**24),
+                          "--on-overflow", "retry", "--max-retries", "24", "--accum-steps", "2", "--steps", "4",
+                          "--underflow-stats", "--workdir", str(workdir), *TINY])
+    out = capsys.readouterr().out
+    assert code == 0 and "512 tokens per step" in out
+    records = read_metrics(workdir / "metrics.jsonl")
+    assert all(r["grads_finite"] for r in records) and records[0]["retries"] >= 1
+    assert records[0]["loss_scale"] == 2.0 ** (24 - records[0]["retries"])
+    assert 0 <= records[0]["grad_zero_fraction"] <= 1 and len(records[0]["worst_zero_leaves"]) == 3
+
+
+def test_second_sigint_exits_at_once():
+    """The first SIGINT asks the loop to save and stop; a second one exits at once with status 130 (a save in
+    flight stays in orbax's tmp folder, which restores ignore: see test_checkpoint's kill -9 test)."""
+    code = """
+import os, signal, sys, time
+from jaxamp.train import StopRequest
+with StopRequest() as stop:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)
+    assert stop.signal == signal.SIGINT, stop.signal
+    print("first signal noted", flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+sys.exit(0)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 130, result.stderr
+    assert "first signal noted" in result.stdout

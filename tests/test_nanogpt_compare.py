@@ -1,0 +1,85 @@
+"""Smoke test of benchmarks/nanogpt_compare.py at a tiny size (a subprocess): jaxamp figures always, PyTorch figures
+when torch is importable (else the "PyTorch not installed" line), equal parameter counts and equal losses from equal
+initial weights."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# CPU only, and XLA's cheapest backend optimisation: the subprocess's time is mostly imports and one compile.
+FAST_ENV = {**os.environ, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()}
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """Markdown table rows keyed by their first cell (the first row with a key wins)."""
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("| ---"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows.setdefault(cells[0], cells[1:])
+    return rows
+
+
+def number(cell: str) -> float:
+    value = float(cell.replace(",", "").rstrip("x"))
+    assert math.isfinite(value), cell
+    return value
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nanogpt") / "nanogpt_compare.md"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/nanogpt_compare.py", "--layers", "1", "--heads", "2", "--width", "32",
+         "--seq-len", "16", "--batch-size", "4", "--rounds", "2", "--steps", "2", "--warmup", "1", "--pause", "0",
+         "--threads", "1", "--check-steps", "2", "--out", str(out)],
+        cwd=REPO, env=FAST_ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert text in proc.stdout  # printed as well
+    return text
+
+
+def test_jaxamp_figures_and_context(report):
+    rows = table_rows(report)
+    jax_row = rows["jaxamp fp32 (jitted step_fn)"]
+    tokens_per_s, low, high, ms_per_step, first_step, params = (number(c) for c in jax_row[:6])
+    assert 0 < low <= tokens_per_s <= high and ms_per_step > 0 and first_step > 0
+    assert params == 14_976  # 1 layer, width 32, vocab 65, seq 16, no biases, tied head
+    assert "shared 2-core box" in report and "jax " in report and "os.cpu_count()" in report
+    # The published figure and our reference run (when its summary or table exists) are quoted.
+    assert "| nanoGPT README" in report and "| 1.88 |" in report
+
+
+def test_pytorch_figures_or_not_installed_line(report):
+    rows = table_rows(report)
+    torch_rows = {k: v for k, v in rows.items() if k.startswith("PyTorch fp32 eager")}
+    assert torch_rows, "no PyTorch row"
+    if not HAS_TORCH:
+        assert any("PyTorch not installed" in cells[0] for cells in torch_rows.values())
+        return
+    (label, cells), = torch_rows.items()
+    assert label == "PyTorch fp32 eager (nanoGPT copy), 1 thread"
+    assert number(cells[0]) > 0 and number(cells[3]) > 0
+    assert number(rows["PyTorch (1 thread) / jaxamp"][0]) > 0
+
+
+def test_parameter_counts_and_losses_agree(report):
+    pytest.importorskip("torch")
+    rows = table_rows(report)
+    assert rows["jaxamp fp32 (jitted step_fn)"][5] == rows["PyTorch fp32 eager (nanoGPT copy), 1 thread"][5]
+    assert "Parameter counts match: jaxamp 14,976, PyTorch 14,976" in report
+    diff = re.search(r"max \|difference\| ([0-9.e+-]+) \(loss\), ([0-9.e+-]+) \(any parameter", report)
+    assert diff, "no equivalence line"
+    assert float(diff.group(1)) < 1e-4 and float(diff.group(2)) < 1e-4, diff.group(0)
