@@ -52,7 +52,10 @@ def _split_micro(batch: PyTree, accum_steps: int) -> PyTree:
     def split(x):
         if x.ndim == 0 or x.shape[0] % accum_steps:
             raise ValueError(f"accum_steps={accum_steps} must divide the batch's leading axis, got shape {x.shape}")
-        return x.reshape(accum_steps, x.shape[0] // accum_steps, *x.shape[1:])  # [accum, micro_batch, ...]
+        # Strided: micro-batch i = rows i, i + accum, ...; so under a batch sharded by rows every device holds its
+        # share of every micro-batch and no rows move between devices.
+        x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:])  # [micro_batch, accum, ...]
+        return jnp.swapaxes(x, 0, 1)  # [accum, micro_batch, ...]
 
     return jax.tree.map(split, batch)
 

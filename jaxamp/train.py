@@ -437,10 +437,18 @@ def _summary_line(s: dict) -> str:
             f"final_loss_scale={s['final_loss_scale']:g} tokens_per_s={speed} wall_s={s['wall_s']:.1f}")
 
 
+RUN_ENTRIES = {"metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "tb", "checkpoints", "unusable-checkpoints"}
+
+
 def _open_workdir(cfg: TrainConfig) -> tuple[Path, Checkpointer]:
+    """The run directory: new, empty, or a jaxamp run's own (anything else is refused, untouched)."""
     workdir = Path(cfg.workdir)
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"--workdir {workdir} is a file; pass a directory")
+    stray = sorted(e.name for e in workdir.iterdir() if e.name not in RUN_ENTRIES) if workdir.exists() else []
+    if stray:
+        raise ConfigError(f"--workdir {workdir} holds entries that are not a jaxamp run's ({', '.join(stray[:5])}"
+                          f"{' ...' if len(stray) > 5 else ''}); pass a new directory or a jaxamp run's workdir")
     workdir.mkdir(parents=True, exist_ok=True)
     return workdir, Checkpointer(workdir / "checkpoints", keep=cfg.keep)
 

@@ -236,7 +236,7 @@ def test_accumulation_updates_the_scale_once_per_window():
     state, metrics = step4(state, rows_batch(0), rows_loss, accum_steps=4)
     assert bool(metrics["grads_finite"]) and float(state.loss_scale.loss_scale) == 2.0**5  # grew once, not 4 times
     before = state
-    state, metrics = step4(state, rows_batch(1, poison_rows=[17]), rows_loss, accum_steps=4)  # micro-batch 2 only
+    state, metrics = step4(state, rows_batch(1, poison_rows=[17]), rows_loss, accum_steps=4)  # one micro-batch
     assert not bool(metrics["grads_finite"])
     assert float(state.loss_scale.loss_scale) == 2.0**4  # backed off once
     assert bits(state.params) == bits(before.params) and bits(state.opt_state) == bits(before.opt_state)

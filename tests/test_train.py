@@ -120,6 +120,20 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
         assert err.startswith("error: ") and "\n" not in err and expected in err, (args, err)
 
 
+def test_workdir_that_is_not_a_run_is_refused_untouched(tmp_path, capsys):
+    (tmp_path / "thesis.tex").write_text("precious")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "notes.txt").write_text("not a checkpoint")
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    assert train_lm.main([*TINY, "--steps", "2", "--workdir", str(tmp_path)]) == 2
+    assert "thesis.tex" in capsys.readouterr().err
+    (tmp_path / "thesis.tex").unlink()
+    assert train_lm.main([*TINY, "--steps", "2", "--workdir", str(tmp_path)]) == 2
+    assert "notes.txt" in capsys.readouterr().err
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == [
+        b for b in before if "thesis.tex" not in b[0]]
+
+
 def test_bad_input_exits_without_traceback(tmp_path):
     result = cli("--data", tmp_path / "missing.txt", "--workdir", tmp_path / "w", timeout=120)
     assert result.returncode == 2
