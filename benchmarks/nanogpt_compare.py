@@ -308,7 +308,7 @@ def time_throughput(run, cfg: TrainConfig, args) -> dict:
                for i in range(total)]
     frameworks = {}
 
-    state = {"s": _copy(run.state), "i": 0}
+    state = {"s": _copy(run.state)}
 
     def jax_window(idx):
         s = state["s"]
@@ -323,21 +323,20 @@ def time_throughput(run, cfg: TrainConfig, args) -> dict:
         torch_batches = [to_torch(b) for b in batches]
         lr_kwargs = jaxamp_lr_kwargs(cfg)
 
-        def torch_window_for(threads):
+        def make_torch_window():
             torch.manual_seed(SEED)
             model = torch_model(run, cfg)  # one model and optimizer per thread count
             model.train()
             optimizer = make_optimizer(model, cfg)
 
-            def torch_window(idx):
-                torch.set_num_threads(threads)
+            def torch_window(idx):  # the caller sets torch.set_num_threads first, outside the timing
                 for i in idx:
                     torch_step(model, optimizer, *torch_batches[i], nanogpt_lr(i, **lr_kwargs), cfg.grad_clip)
 
             return model, torch_window
 
         for threads in args.threads:
-            model, frameworks[f"torch@{threads}"] = torch_window_for(threads)
+            model, frameworks[f"torch@{threads}"] = make_torch_window()
 
     first = {}
     for name, window in frameworks.items():  # warm-up: jaxamp compiles here
@@ -583,8 +582,8 @@ def report(args, cfg, run, n_params, thr, eq, ref, ref_hist, ref_est, trained, c
              "step(s) (the first framework alternates between rounds); one process. jaxamp: "
              "`build(TrainConfig(precision=\"fp32\")).step_fn(state, batch)`, jitted, state donated, "
              "`block_until_ready` once per window. PyTorch: nanoGPT's step in eager mode (`--compile=False`): "
-             "forward + loss, `backward()`, `clip_grad_norm_(1.0)`, `AdamW.step()`, `zero_grad(set_to_none=True)`. \"First step\": the first call, jaxamp's including tracing and the XLA "
-             "compile.")
+             "forward + loss, `backward()`, `clip_grad_norm_(1.0)`, `AdamW.step()`, `zero_grad(set_to_none=True)`. "
+             "\"First step\": the first call, jaxamp's including tracing and the XLA compile.")
     L.append("")
     L.append("| framework | median tokens/s | min tokens/s | max tokens/s | median ms/step | first step (s) | "
              "parameters |")
@@ -644,7 +643,8 @@ def report(args, cfg, run, n_params, thr, eq, ref, ref_hist, ref_est, trained, c
     if ref is not None:
         gap = ref["val_loss"] - NANOGPT_VAL
         L.append(f"| jaxamp fp32 reference run (`{ref['source']}`) | {ref['val_loss']:.4f} | jaxamp: mean of 50 fixed "
-                 f"val batches | {ref['steps']} | {ref['wall_s']:.0f} s (this shared box) | {ref['tokens_per_s']:.0f} |")
+                 f"val batches | {ref['steps']} | {ref['wall_s']:.0f} s (this shared box) | "
+                 f"{ref['tokens_per_s']:.0f} |")
         L.append(f"| difference (jaxamp - nanoGPT) | {gap:+.4f} ({100 * gap / NANOGPT_VAL:+.1f}%) | | | | |")
     else:
         L.append("| jaxamp fp32 reference run | not found (run `bash benchmarks/reference_run.sh`) | | | | |")
@@ -687,8 +687,8 @@ def report(args, cfg, run, n_params, thr, eq, ref, ref_hist, ref_est, trained, c
         L.append("")
         L.append("### Validation loss during training")
         L.append("")
-        L.append("| step | jaxamp reference (50 fixed batches) | PyTorch copy (50 fixed batches) | PyTorch copy (nanoGPT "
-                 "estimate) | PyTorch copy, train (nanoGPT estimate) |")
+        L.append("| step | jaxamp reference (50 fixed batches) | PyTorch copy (50 fixed batches) | PyTorch copy "
+                 "(nanoGPT estimate) | PyTorch copy, train (nanoGPT estimate) |")
         L.append("| --- | --- | --- | --- | --- |")
         for h in trained["history"]:
             jv = ref_hist.get(h["step"])
@@ -698,8 +698,9 @@ def report(args, cfg, run, n_params, thr, eq, ref, ref_hist, ref_est, trained, c
     L.append("## Notes")
     L.append("")
     L.append("- nanoGPT's 1.88 is one estimate from 20 random batches (15,360 tokens) of one seed; ours is the mean "
-             "over 50 fixed batches (38,400 tokens). The estimator table above says how far apart single estimates "
-             "of the same weights fall.")
+             "over 50 fixed batches (38,400 tokens)."
+             + (" The estimator table above says how far apart single estimates of the same weights fall."
+                if trained is not None or isinstance(ref_est, dict) else ""))
     L.append("- The PyTorch model is a compacted copy of nanoGPT's `model.py` (same modules in the same construction "
              "order, so `torch.manual_seed(1337)` gives nanoGPT's initial weights; same init, weight tying, "
              "optimizer groups), and the training loop follows `train.py` (first batch fetched before the loop, "
@@ -771,6 +772,10 @@ def parse_args(argv=None):
     return args
 
 
+def _brief(estimates: dict) -> str:
+    return json.dumps({k: v for k, v in estimates.items() if k != "draws"})
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = datetime.datetime.now()
@@ -802,11 +807,11 @@ def main(argv=None) -> int:
     full_size = (cfg.layers, cfg.heads, cfg.width, cfg.seq_len, cfg.batch_size) == (4, 4, 128, 64, 12)
     if not args.no_reference_checkpoint and full_size and (args.train_steps > 0 or (ref_dir / "checkpoints").is_dir()):
         ref_est = reference_estimates(ref_dir, run, cfg, args.estimator_draws)
-        log(f"reference checkpoint: {ref_est if isinstance(ref_est, str) else {k: v for k, v in ref_est.items() if k != 'draws'}}")
+        log(f"reference checkpoint: {ref_est if isinstance(ref_est, str) else _brief(ref_est)}")
     trained = None
     if torch is not None and args.train_steps > 0:
         trained = train_torch(run, cfg, args, log)
-        log(f"torch training: {trained['wall_s']:.0f} s, final {json.dumps({k: v for k, v in trained['final'].items() if k != 'draws'})}")
+        log(f"torch training: {trained['wall_s']:.0f} s, final {_brief(trained['final'])}")
     text = report(args, cfg, run, n_params, thr, eq, ref, ref_hist, ref_est, trained, command, started)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
