@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxamp.data import batch_at, eval_batches  # noqa: E402
@@ -406,8 +407,12 @@ def train_torch(run, cfg: TrainConfig, args, log) -> dict:
     b, t = cfg.batch_size, cfg.seq_len
     torch.manual_seed(args.train_seed)
     model = torch_model(run, cfg)
-    if args.init == "jaxamp":
-        load_jaxamp_params(model, run.state.params)
+    if args.init == "jaxamp":  # jaxamp's initial weights for seed --init-seed (build()'s key derivation)
+        params = run.state.params
+        if args.init_seed is not None and args.init_seed != cfg.seed:
+            init_key, _ = jax.random.split(jax.random.PRNGKey(args.init_seed))
+            params = run.model.init(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+        load_jaxamp_params(model, params)
     model.train()
     optimizer = make_optimizer(model, cfg)
     lr_kwargs = dict(lr=cfg.lr, min_lr=cfg.lr / 10, warmup=cfg.warmup_steps, decay_iters=args.train_steps)
@@ -652,7 +657,9 @@ def report(args, cfg, run, n_params, thr, eq, ref, ref_hist, ref_est, trained, c
         f = trained["final"]
         hist_last = trained["history"][-1]
         L.append(f"| PyTorch nanoGPT copy, this script (`--train-steps {args.train_steps}`, seed {args.train_seed}, "
-                 f"{args.data_order} batches, {args.init} init, {thr['torch_threads_after']} thread(s)) | "
+                 f"{args.data_order} batches, {args.init} init"
+                 f"{'' if args.init_seed is None or args.init != 'jaxamp' else f' (seed {args.init_seed})'}, "
+                 f"{thr['torch_threads_after']} thread(s)) | "
                  f"{hist_last['val']:.4f} | nanoGPT `estimate_loss` "
                  f"({args.eval_iters} random batches, its RNG stream) | {args.train_steps} | "
                  f"{trained['wall_s']:.0f} s (incl. evals) | {trained['tokens_per_s']:.0f} |")
@@ -753,6 +760,8 @@ def parse_args(argv=None):
                    help="--train-steps batches: nanoGPT's torch.randint stream, or jaxamp's batch_at(seed 1337)")
     p.add_argument("--init", choices=("torch", "jaxamp"), default="torch",
                    help="--train-steps initial weights: nanoGPT's (torch RNG) or jaxamp's initial state")
+    p.add_argument("--init-seed", type=int, default=None,
+                   help="with --init jaxamp: jaxamp's initial weights for this seed (default: the run seed, 1337)")
     p.add_argument("--eval-interval", type=int, default=250, help="nanoGPT's eval_interval for --train-steps")
     p.add_argument("--eval-iters", type=int, default=20, help="nanoGPT's eval_iters (the CPU recipe's 20)")
     p.add_argument("--estimator-draws", type=int, default=50,
