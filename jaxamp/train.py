@@ -489,7 +489,6 @@ class _Loop:
 
     def step(self, state: TrainState, step: int) -> TrainState:
         """Runs step `step` (== state.step, mirrored on the host so the loop never waits on the device)."""
-        cfg = self.run.cfg
         batch = train_batch(self.run, step)
         state, metrics = self.step_fn(state, batch)
         self.pending.append(metrics)

@@ -13,6 +13,8 @@ import pytest
 
 from jaxamp.plotting import PlotError, plot_runs
 
+from conftest import number, table_rows
+
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # CPU only, and XLA's cheapest backend optimisation: the subprocesses' time is almost all compilation.
@@ -25,20 +27,6 @@ def run_script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def table_rows(text: str) -> dict[str, list[str]]:
-    """Markdown table rows keyed by their first cell (the first table that names a key wins)."""
-    rows: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        if line.startswith("|") and not line.startswith("| ---"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            rows.setdefault(cells[0], cells[1:])
-    return rows
-
-
-def number(cell: str) -> float:
-    value = float(cell.replace(",", "").replace("*", "").rstrip("x%"))
-    assert math.isfinite(value), cell
-    return value
 
 
 def test_overhead_benchmark_tiny(tmp_path):

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def load_script(rel: str):
-    path = REPO / rel
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_checkpoint_bench_tiny(tmp_path, capsys):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -16,6 +15,8 @@ from jaxamp.diagnostics import FORMATS, activation_ranges, gradient_underflow, r
 from jaxamp.model import TransformerConfig, TransformerLM
 from jaxamp.train import TrainConfig, build, make_loss_fn
 
+from conftest import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = TransformerConfig(vocab_size=16, seq_len=8, num_layers=1, num_heads=2, width=16)
@@ -25,13 +26,6 @@ TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen
 # (`gradient_underflow` and `activation_ranges` are jitted with the loss function / model as static arguments).
 _cached_make_loss_fn = functools.lru_cache(maxsize=None)(make_loss_fn)
 
-
-def load_script(rel: str):
-    path = REPO / rel
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ initial weights."""
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import re
 import subprocess
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import number, table_rows
+
 REPO = Path(__file__).resolve().parents[1]
 # CPU only, and XLA's cheapest backend optimisation: the subprocess's time is mostly imports and one compile.
 FAST_ENV = {**os.environ, "JAX_PLATFORMS": "cpu",
@@ -21,20 +22,6 @@ FAST_ENV = {**os.environ, "JAX_PLATFORMS": "cpu",
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
-def table_rows(text: str) -> dict[str, list[str]]:
-    """Markdown table rows keyed by their first cell (the first row with a key wins)."""
-    rows: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        if line.startswith("|") and not line.startswith("| ---"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            rows.setdefault(cells[0], cells[1:])
-    return rows
-
-
-def number(cell: str) -> float:
-    value = float(cell.replace(",", "").rstrip("x"))
-    assert math.isfinite(value), cell
-    return value
 
 
 @pytest.fixture(scope="module")

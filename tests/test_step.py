@@ -203,7 +203,6 @@ def rows_loss(params, batch, rng):
 
 
 def rows_batch(i=0, n=32, poison_rows=()):
-    b = make_batch(i)
     poison = np.ones((n,), np.float32)
     poison[list(poison_rows)] = np.inf
     kx, ky = jax.random.split(jax.random.key(200 + i))

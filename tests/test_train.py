@@ -1,7 +1,6 @@
 """End to end: experiments/train_lm.py trains, logs, rejects bad input, checkpoints and resumes to the bit."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
