@@ -272,6 +272,7 @@ def run(args) -> dict:
     traces_in_run = {n: traces[n][0] for n in names}
     compiles_in_run = {n: _event_count.get((n, "compile"), 0) for n in names}
     secs = {n: {k: _event_secs.get((n, k), 0.0) for k in ("trace", "lower", "compile")} for n in names}
+    cost = {n: _cost_analysis(variants[n][0], carries[n], batches[0]) for n in names}  # after the counts above
 
     # Skipped updates: the loss-scale state says whether an overflow happened (a, c); b's flag is not carried.
     skipped = {}
@@ -285,9 +286,19 @@ def run(args) -> dict:
         _check_flax_defaults(model, params, batches, flax_default_traces)
 
     median = {n: statistics.median(per_round[n]) for n in names}
-    return dict(machine=machine, cfg=cfg, n_params=count_params(params), per_round=per_round, median=median, first_call=first_call,
+    return dict(cost=cost, machine=machine, cfg=cfg, n_params=count_params(params), per_round=per_round, median=median, first_call=first_call,
                 secs=secs, traces=traces_in_run, compiles=compiles_in_run, total_steps=total_steps, skipped=skipped,
                 flax_default_traces=None if flax_default_traces is None else flax_default_traces[0])
+
+
+def _cost_analysis(step, carry, batch) -> dict:
+    """XLA's static cost model of the compiled step: `{"flops": ..., "bytes": ...}` (bytes accessed by all ops).
+
+    Deterministic, unlike wall-clock time: what extra memory traffic the bookkeeping adds, free of machine noise.
+    """
+    analysis = step.lower(*carry, batch).compile().cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis  # older jax: one dict per device
+    return {"flops": float(analysis.get("flops", 0.0)), "bytes": float(analysis.get("bytes accessed", 0.0))}
 
 
 def _check_flax_defaults(model, params, batches, flax_default_traces: list) -> None:
@@ -311,8 +322,10 @@ def _ratio(res, x: str, y: str) -> str:
     """Ratio of medians (bold), of the fastest rounds, and the median and range of the per-round paired ratios."""
     rx, ry = res["per_round"][x], res["per_round"][y]
     paired = sorted(a / b for a, b in zip(rx, ry))
+    cx, cy = res["cost"][x], res["cost"][y]
     return (f"**{res['median'][x] / res['median'][y]:.3f}x** | {min(rx) / min(ry):.3f}x | "
-            f"{statistics.median(paired):.3f}x ({paired[0]:.3f}-{paired[-1]:.3f})")
+            f"{statistics.median(paired):.3f}x ({paired[0]:.3f}-{paired[-1]:.3f}) | "
+            f"{cx['bytes'] / cy['bytes']:.3f}x | {cx['flops'] / cy['flops']:.3f}x")
 
 
 def report(args, res, argv=None) -> str:
@@ -334,8 +347,9 @@ def report(args, res, argv=None) -> str:
         "noise; XLA:CPU upcasts float16 dots to float32, so fp16 vs fp32 here says nothing about GPU speed.",
         "",
         "| variant | median ms/step | min-max ms/step over rounds | tokens/s (median) | first call s | "
-        "first call - steady s | trace s | lower s | XLA compile s | traces in run | XLA compiles in run |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "first call - steady s | trace s | lower s | XLA compile s | traces in run | XLA compiles in run | "
+        "XLA bytes accessed MB | XLA GFLOP |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for n, desc in VARIANTS.items():
         med, rounds, sec = res["median"][n], res["per_round"][n], res["secs"][n]
@@ -343,16 +357,19 @@ def report(args, res, argv=None) -> str:
             f"| ({n}) {desc} | {med * 1e3:.2f} | {min(rounds) * 1e3:.2f}-{max(rounds) * 1e3:.2f} | "
             f"{tokens / med:,.0f} | {res['first_call'][n]:.2f} | {res['first_call'][n] - med:.2f} | "
             f"{sec['trace']:.2f} | {sec['lower']:.2f} | {sec['compile']:.2f} | {res['traces'][n]} | "
-            f"{res['compiles'][n]} |")
+            f"{res['compiles'][n]} | {res['cost'][n]['bytes'] / 1e6:.1f} | {res['cost'][n]['flops'] / 1e9:.3f} |")
     lines += [
         "",
         f"Each variant ran {res['total_steps']} steps in one process. \"first call\" is the cold first step (trace, "
         "lower, compile, run); trace/lower/XLA compile seconds are the durations jax.monitoring reports for that "
         "variant's calls (summed if it compiled more than once); \"traces in run\" counts calls of its loss function "
-        "at trace time, \"XLA compiles in run\" the backend compile events during its calls.",
+        "at trace time, \"XLA compiles in run\" the backend compile events during its calls. \"XLA bytes accessed\" "
+        "and \"XLA GFLOP\" are XLA's static cost model of the compiled step (`compiled.cost_analysis()`): "
+        "deterministic, so they show the memory traffic the bookkeeping adds without the machine's noise.",
         "",
-        "| ratio | of medians | of fastest rounds | per-round paired: median (min-max) |",
-        "| --- | --- | --- | --- |",
+        "| ratio | of medians | of fastest rounds | per-round paired: median (min-max) | XLA bytes accessed | "
+        "XLA flops |",
+        "| --- | --- | --- | --- | --- | --- |",
         f"| (a)/(b) jaxamp fp16 dynamic vs hand-written jmp static | {_ratio(res, 'a', 'b')} |",
         f"| (a)/(c) jaxamp fp16 dynamic vs Flax DynamicScale | {_ratio(res, 'a', 'c')} |",
         f"| (d)/(e) jaxamp fp32 NoOp vs plain optax fp32 | {_ratio(res, 'd', 'e')} |",

@@ -455,14 +455,28 @@ class Checkpointer:
         raise CheckpointError(f"no usable checkpoint in {self._dir}: {listing}")
 
     def _set_aside(self, steps: list[int], dest: Path) -> None:
-        """Moves unusable step folders out of the checkpoint directory into `dest` (kept for inspection)."""
+        """Moves unusable step folders out of the checkpoint directory into `dest` (kept for inspection).
+
+        In a multi-process run only process 0 moves them (the directory is shared); every process then waits at a
+        barrier, so none saves a step whose old folder is still in place.
+        """
+        if jax.process_index() == 0:
+            self._move_steps(steps, dest)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+            multihost_utils.sync_global_devices(f"jaxamp set_aside {self._dir}")
+
+    def _move_steps(self, steps: list[int], dest: Path) -> None:
         for n in steps:
+            if not (self._dir / str(n)).exists():
+                continue
             dest.mkdir(parents=True, exist_ok=True)
             target, k = dest / str(n), 1
             while target.exists():
                 target, k = dest / f"{n}.{k}", k + 1
             os.replace(self._dir / str(n), target)
-            warnings.warn(f"moved unusable checkpoint step {n} to {target}", stacklevel=3)
+            warnings.warn(f"moved unusable checkpoint step {n} to {target}", stacklevel=4)
 
     @staticmethod
     def _with_default_shardings(abstract_state):

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp.grad_stats import underflow_stats
-from jaxamp.loss_scale import all_finite, finite_leaves
 from jaxamp.state import TrainState
 
 PyTree = Any
@@ -28,6 +27,33 @@ def _split_loss(out) -> tuple[jax.Array, Any]:
 def select_tree(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
     """Leaf by leaf `lax.select(pred, a, b)` for a `bool[]` pred: the unchosen tree's leaves come back bitwise."""
     return jax.tree.map(lambda a, b: jax.lax.select(pred, a, b), on_true, on_false)
+
+
+def _leaf_check(x) -> tuple[jax.Array, jax.Array]:
+    """`(f32[] sum of squares, bool[] all finite)` of one leaf in one pass (a variadic `lax.reduce`)."""
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):  # integer or boolean leaves: finite, no norm
+        return jnp.zeros((), jnp.float32), jnp.ones((), jnp.bool_)
+    xf = x.astype(jnp.float32)
+    return jax.lax.reduce((xf * xf, jnp.isfinite(x)), (jnp.float32(0), jnp.bool_(True)),
+                          lambda a, b: (a[0] + b[0], a[1] & b[1]), tuple(range(x.ndim)))
+
+
+class _Check(NamedTuple):
+    finite: jax.Array  # bool[]: every element of every leaf finite (`all_finite`)
+    finite_leaves: PyTree  # bool[] per leaf, like the gradients (`finite_leaves`)
+    norm: jax.Array  # f32[]: global L2 norm (`optax.tree.norm`); inf or NaN when not finite
+
+
+def _check_grads(grads: PyTree) -> _Check:
+    """The finite check and the global norm read each gradient leaf once, not twice (one fused reduction per leaf)."""
+    leaf_checks = jax.tree.map(_leaf_check, grads)
+    is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
+    sums = jax.tree.leaves(jax.tree.map(lambda c: c[0], leaf_checks, is_leaf=is_pair))
+    flags = jax.tree.map(lambda c: c[1], leaf_checks, is_leaf=is_pair)
+    finite = jnp.all(jnp.stack(jax.tree.leaves(flags))) if sums else jnp.ones((), jnp.bool_)
+    norm = jnp.sqrt(sum(sums, jnp.zeros((), jnp.float32)))
+    return _Check(finite, flags, norm)
 
 
 class _Grads(NamedTuple):
@@ -103,22 +129,22 @@ def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries):
 
     def attempt(loss_scale):
         g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, with_stats)
-        return g, all_finite(g.grads)
+        return g, _check_grads(g.grads)
 
-    first, finite = attempt(state.loss_scale)
+    first, check = attempt(state.loss_scale)
 
     def cond(carry):
-        loss_scale, _, finite, retries = carry
+        loss_scale, _, check, retries = carry
         progress = loss_scale.backoff().loss_scale < loss_scale.loss_scale
-        return (~finite) & (retries < max_retries) & progress
+        return (~check.finite) & (retries < max_retries) & progress
 
     def body(carry):
         loss_scale, _, _, retries = carry
         loss_scale = loss_scale.backoff()
-        g, finite = attempt(loss_scale)
-        return loss_scale, g, finite, retries + 1
+        g, check = attempt(loss_scale)
+        return loss_scale, g, check, retries + 1
 
-    return jax.lax.while_loop(cond, body, (state.loss_scale, first, finite, jnp.zeros((), jnp.int32)))
+    return jax.lax.while_loop(cond, body, (state.loss_scale, first, check, jnp.zeros((), jnp.int32)))
 
 
 def train_step(
@@ -141,7 +167,8 @@ def train_step(
     4. gradient with respect to the compute-dtype params (a float16 overflow arrives as inf);
     5. unscale in float32 (divide by the scale); with `accum_steps` > 1, steps 2-5 run per micro-batch and the
        float32 gradients are averaged;
-    6. one finite check over every gradient leaf (`all_finite`), once per optimizer step;
+    6. one finite check over every gradient leaf (`all_finite`), once per optimizer step; the same pass over the
+       gradients also sums their squares for the `grad_norm` metric;
     7. optax update on the unscaled gradients, so clipping and weight decay inside `tx` never see the scale;
     8. apply, then select new or old `params` and `opt_state` by the finite flag: on overflow both come back bitwise
        unchanged (optax's count and any LR schedule do not advance);
@@ -179,12 +206,12 @@ def train_step(
         raise ValueError(f"accum_steps must be >= 1 and max_retries >= 0, got {accum_steps}, {max_retries}")
     rng = jax.random.fold_in(state.rng, state.step)
     if on_overflow == "retry":
-        loss_scale, g, grads_finite, retries = _retry(state, batch, loss_fn, rng, accum_steps, underflow_stats,
-                                                      max_retries)
+        loss_scale, g, check, retries = _retry(state, batch, loss_fn, rng, accum_steps, underflow_stats, max_retries)
     else:
         loss_scale, retries = state.loss_scale, jnp.zeros((), jnp.int32)
         g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, underflow_stats)
-        grads_finite = all_finite(g.grads)
+        check = _check_grads(g.grads)  # the one finite check, and the norm metric, in one pass over the gradients
+    grads_finite = check.finite
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with i32 counts; all float32 here
         updates, new_opt_state = state.tx.update(g.grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
@@ -194,10 +221,10 @@ def train_step(
     metrics = {
         "loss": g.loss,
         "loss_finite": jnp.isfinite(g.loss),
-        "grad_norm": optax.tree.norm(g.grads).astype(jnp.float32),
+        "grad_norm": check.norm,
         "loss_scale": jnp.copy(loss_scale.loss_scale),  # a new buffer: the state's own is donated next step
         "grads_finite": grads_finite,
-        "grads_finite_leaves": finite_leaves(g.grads),
+        "grads_finite_leaves": check.finite_leaves,
         "retries": retries,
     }
     if g.aux is not None:

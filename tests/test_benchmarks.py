@@ -45,10 +45,12 @@ def test_overhead_benchmark_tiny(tmp_path):
             number(cells[0]), number(cells[2]), number(cells[3]), number(cells[7]), number(cells[8]))
         assert median_ms > 0 and tokens_per_s > 0 and first_call > 0 and xla_compile > 0, (label, cells)
         assert traces == 1, f"{label} traced {traces} times"  # every variant compiles once over the run
+        assert number(cells[10]) > 0 and number(cells[11]) > 0, (label, cells)  # XLA bytes accessed, GFLOP
     ratios = [key for key in rows if key.startswith(("(a)/(b)", "(a)/(c)", "(d)/(e)"))]
     assert len(ratios) == 3
     for key in ratios:
         assert number(rows[key][0]) > 0 and number(rows[key][1]) > 0, rows[key]  # of medians, of fastest rounds
+        assert 0.5 < number(rows[key][3]) < 2 and 0.5 < number(rows[key][4]) < 2, rows[key]  # bytes, flops ratios
 
 
 def test_gpu_throughput_tiny(tmp_path):

@@ -101,16 +101,18 @@ def children(tmp_path_factory):
     outputs = {}
     paths["resumed"] = tmp / "resumed_single"
     try:
-        for name in ["process0", "process1", "resume", "mesh8", "train4"]:
+        for name in ["process0", "process1", "resume", "damaged0", "damaged1", "mesh8", "train4"]:
             if name == "resume":  # the two-process run's checkpoint, resumed by one process on one device
                 shutil.copytree(paths["work2"], paths["resumed"])
                 procs[name] = subprocess.Popen(
                     [sys.executable, str(SCRIPT), *args, "--steps", "6", "--workdir", str(paths["resumed"])],
                     env=_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            if name == "damaged0":  # that run, its newest step damaged, resumed by two processes again
+                procs.update(_start_damaged_resume(paths, args))
             out, err = procs[name].communicate(timeout=max(1.0, TIMEOUT - (time.perf_counter() - t0)))
             outputs[name] = {"code": procs[name].returncode, "stdout": out, "stderr": err,
                              "done_after_s": time.perf_counter() - t0}
-            assert name == "resume" or outputs[name]["code"] == 0, f"{name} failed:\n{err[-4000:]}"
+            assert name in ("resume", "damaged0") or outputs[name]["code"] == 0, f"{name} failed:\n{err[-4000:]}"
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -121,6 +123,21 @@ def children(tmp_path_factory):
     (tmp / "timings.json").write_text(json.dumps({k: v["done_after_s"] for k, v in outputs.items()}))
     return {"paths": paths, "outputs": outputs, "args": args, "seconds": time.perf_counter() - t0,
             "mesh8": json.loads(paths["out8"].read_text()), "train4": json.loads(paths["out4"].read_text())}
+
+
+def _start_damaged_resume(paths: dict, args: list[str]) -> dict:
+    """Copies the one-process resumed run (steps 4 and 6 on disk), deletes step 6's integrity record and starts two
+    processes that resume it to step 8: both must fall back to step 4, and only process 0 may move step 6 aside."""
+    paths["damaged"] = paths["tmp"] / "damaged_two_processes"
+    shutil.copytree(paths["resumed"], paths["damaged"])
+    record = paths["damaged"] / "checkpoints" / "6" / "integrity" / "metadata"
+    assert record.is_file(), sorted(p.name for p in (paths["damaged"] / "checkpoints").iterdir())
+    record.unlink()
+    port = _free_port()
+    return {f"damaged{i}": subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args, "--mesh", "data=4", "--steps", "8", "--workdir", str(paths["damaged"]),
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+        env=_env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)}
 
 
 def _child_module():
@@ -319,3 +336,16 @@ def test_two_process_checkpoint_resumes_in_one_process(children):
     np.testing.assert_allclose([r["loss"] for r in ours[4:]], [r["loss"] for r in ref[4:]], rtol=1e-5)
     assert [r["loss_scale"] for r in ours] == [r["loss_scale"] for r in ref]
     assert math.isfinite(ours[-1]["val_loss"])
+
+
+def test_two_processes_resume_past_a_damaged_step_and_set_it_aside_once(children):
+    paths, outputs = children["paths"], children["outputs"]
+    main, other = outputs["damaged0"], outputs["damaged1"]
+    assert "resumed from step 4" in main["stdout"]
+    assert "checkpoint step 6" in main["stderr"] and "is unusable" in main["stderr"]
+    moved = [line for line in (main["stderr"] + other["stderr"]).splitlines() if "moved unusable checkpoint" in line]
+    assert len(moved) == 1 and "step 6" in moved[0], moved  # one process moved it, the other did not try
+    assert sorted(p.name for p in (paths["damaged"] / "unusable-checkpoints").iterdir()) == ["6"]
+    records = read_metrics(paths["damaged"] / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 9))  # steps 5-6 replaced, none duplicated or missing
+    assert Checkpointer(paths["damaged"] / "checkpoints").steps() == [4, 8]  # and step 8 saved (every 4 steps)

@@ -4,8 +4,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxamp import (DynamicLossScale, NoOpLossScale, StaticLossScale, TrainState, eval_step, get_policy,
-                    train_step)
+from jaxamp import (DynamicLossScale, NoOpLossScale, StaticLossScale, TrainState, all_finite, eval_step,
+                    finite_leaves, get_policy, train_step)
 
 step = jax.jit(train_step, static_argnames="loss_fn")
 
@@ -118,6 +118,36 @@ def test_clipping_and_update_do_not_depend_on_loss_scale():
         assert float(metrics["grad_norm"]) > 0.5  # clipping is active (max norm 0.5)
         results.append((float(metrics["grad_norm"]), bits(state.params)))
     assert all(r == results[0] for r in results)
+
+
+def test_grad_norm_metric_is_the_global_norm_of_the_unscaled_gradients():
+    state = make_state("fp16", StaticLossScale(2.0**10))
+    _, metrics = step(state, make_batch(0), mlp_loss)
+    grads = jax.grad(lambda p: mlp_loss(get_policy("fp16").cast_to_compute(p), make_batch(0), None))(state.params)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads)), rtol=2e-3)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+def test_one_pass_check_agrees_with_all_finite_finite_leaves_and_optax_norm(bad):
+    from jaxamp.step import _check_grads
+
+    tree = {"m": jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4), "s": jnp.asarray(-2.5, jnp.float32),
+            "h": jnp.ones((5,), jnp.float16), "e": jnp.zeros((0, 3), jnp.float32), "i": jnp.arange(3, dtype=jnp.int32)}
+    check = jax.jit(_check_grads)(tree)
+    assert bool(check.finite) and bool(all_finite(tree))
+    assert jax.tree.leaves(check.finite_leaves) == [True] * 5
+    with jax.numpy_dtype_promotion("standard"):
+        expected = float(optax.tree.norm({k: v for k, v in tree.items() if k != "i"}))
+    np.testing.assert_allclose(float(check.norm), expected, rtol=1e-6)
+    assert check.norm.dtype == jnp.float32 and check.finite.dtype == jnp.bool_
+    poisoned = {**tree, "m": tree["m"].at[2, 1].set(bad)}
+    check = jax.jit(_check_grads)(poisoned)
+    assert not bool(check.finite) and not bool(all_finite(poisoned))
+    assert check.finite_leaves == {k: k != "m" for k in tree}
+    assert finite_leaves(poisoned) == check.finite_leaves
+    assert not np.isfinite(float(check.norm))
+    empty = _check_grads({})
+    assert bool(empty.finite) and float(empty.norm) == 0.0
 
 
 def test_underflow_needs_loss_scaling():
