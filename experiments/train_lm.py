@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 HELP = {
     "data": "UTF-8 text file (default: the Python standard library's own sources, no download)",
-    "precision": "fp32 | bf16 | fp16 | a jmp policy string such as 'p=f32,c=f16,o=f32'",
+    "precision": "fp32 | bf16 | fp16 | auto (bf16 on TPUs and GPUs of compute capability >= 8.0, fp16 on older GPUs, fp32 on CPUs) | "
+                 "a jmp policy string such as 'p=f32,c=f16,o=f32'",
     "loss_scale": "auto (dynamic for float16 compute, else none) | dynamic | static | none",
     "init_scale": "initial dynamic (or fixed static) loss scale",
     "growth_interval": "finite steps before the dynamic loss scale grows",
@@ -54,7 +55,7 @@ def parse_args(argv=None):
         flag = "--" + field.name.replace("_", "-")
         text = HELP.get(field.name, field.name.replace("_", " "))
         if str(field.type).startswith("bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=text)
             continue
         kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
         parser.add_argument(flag, type=kind, default=field.default, help=f"{text} (default: %(default)s)")

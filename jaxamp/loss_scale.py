@@ -230,6 +230,9 @@ class DynamicLossScale(LossScale):
         for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1 (steps), got {value!r}")
+        for name, value in (("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise ValueError(f"{name} must be a real number, got {value!r}")
         if not (math.isfinite(growth_factor) and growth_factor > 1):
             raise ValueError(f"growth_factor must be finite and > 1, got {growth_factor!r}")
         if not 0 < backoff_factor < 1:

@@ -9,17 +9,39 @@ from pathlib import Path
 TB_SCALARS = ("loss", "val_loss", "loss_scale", "grads_finite", "skipped_steps", "grad_norm", "lr", "tokens_per_s")
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a `metrics.jsonl`, in file order; [] when the file is absent. A torn last line is dropped."""
+def read_metrics(path: str | Path, *, strict: bool = False) -> list[dict]:
+    """The records of a `metrics.jsonl`, in file order; [] when the file is absent. A torn last line is dropped.
+
+    Args:
+      path: the file.
+      strict: also require every line but a torn last one to be a JSON object with an integer `step` (what a run
+        about to append to the file needs); otherwise reading stops at the first line that is not JSON.
+
+    Raises:
+      ValueError: with `strict`, a line that is not a jaxamp record (names the line and the fix).
+    """
     path = Path(path)
     if not path.exists():
         return []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        if strict:
+            raise ValueError(f"{path} is not UTF-8 text, so not a jaxamp metrics file; pass a new --workdir") from None
+        return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
+            if strict and number < len(lines):
+                raise ValueError(f"{path} line {number} is not JSON, so not a jaxamp metrics file; pass a new "
+                                 "--workdir") from None
             break  # a line cut short by a kill: everything after it is unreliable
+        if strict and not (isinstance(record, dict) and isinstance(record.get("step"), int)):
+            raise ValueError(f"{path} line {number} has no integer \"step\", so it is not a jaxamp metrics file; "
+                             "pass a new --workdir")
+        records.append(record)
     return records
 
 
@@ -31,11 +53,14 @@ class MetricsLogger:
       resume_step: on resume, the checkpoint's step: records after it (written after the last save) are dropped
         through an atomic rewrite, so the file holds each step once.
       tensorboard: also write TensorBoard event files.
+
+    Raises:
+      ValueError: an existing `metrics.jsonl` is not a jaxamp metrics file (it is left untouched).
     """
 
     def __init__(self, workdir: str | Path, *, resume_step: int = 0, tensorboard: bool = True):
         self.path = Path(workdir) / "metrics.jsonl"
-        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+        kept = [r for r in read_metrics(self.path, strict=True) if r["step"] <= resume_step]
         if self.path.exists():
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")

@@ -86,7 +86,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path, labels: Sequ
       labels: one legend label per run; default: the summary's precision, else the directory name.
 
     Raises:
-      PlotError: a directory is missing or has no metrics, or `labels` does not match `run_dirs` in length.
+      PlotError: a directory is missing or has no metrics, `labels` does not match `run_dirs` in length, or
+        `out_path` is a directory.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -94,6 +95,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path, labels: Sequ
     run_dirs = [Path(d) for d in run_dirs]
     if not run_dirs:
         raise PlotError("no run directories given")
+    if Path(out_path).is_dir():
+        raise PlotError(f"--out {out_path} is a directory; pass a file name such as {Path(out_path) / 'plot.png'}")
     runs = [load_run(d) for d in run_dirs]
     if labels is None:
         labels = _unique([_label(d) for d in run_dirs], run_dirs)
@@ -148,5 +151,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path, labels: Sequ
             ax.legend(fontsize=8)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, format="png")
+    try:
+        fig.savefig(out_path, format="png")
+    except OSError as err:
+        raise PlotError(f"cannot write {out_path}: {err.strerror or err}") from None
     return out_path

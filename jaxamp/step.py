@@ -214,8 +214,11 @@ def train_step(
     grads_finite = check.finite
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with i32 counts; all float32 here
         updates, new_opt_state = state.tx.update(g.grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
-    params, opt_state = select_tree(grads_finite, (new_params, new_opt_state), (state.params, state.opt_state))
+        new_params = optax.apply_updates(state.params, updates)  # cast back to the params' dtypes
+    # Master weights in float16/bfloat16 (a jmp string such as "float16"): the float32 gradients promote optax's
+    # moments; every leaf keeps the dtype it has in the state, so state dtypes never drift.
+    new = jax.tree.map(lambda x, old: x.astype(old.dtype), (new_params, new_opt_state), (state.params, state.opt_state))
+    params, opt_state = select_tree(grads_finite, new, (state.params, state.opt_state))
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               loss_scale=loss_scale.adjust(grads_finite))
     metrics = {

@@ -39,7 +39,7 @@ LOSS_SCALES = ("auto", "dynamic", "static", "none")
 # Options a resumed run must share with the checkpoint (others, e.g. --steps or --eval-every, may change).
 RESUME_MATCH_KEYS = ("corpus_sha256", "vocab_size", "precision", "loss_scale", "init_scale", "growth_interval",
                      "layers", "heads", "width", "seq_len", "batch_size", "seed", "dropout", "bias", "lr", "min_lr",
-                     "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip")
+                     "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "accum_steps")
 
 
 class ConfigError(ValueError):
@@ -112,6 +112,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--decay-steps must be > 0, got {cfg.decay_steps}")
     if cfg.warmup_steps < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
         raise ConfigError("--warmup-steps, --weight-decay and --grad-clip must be >= 0")
+    if cfg.min_lr is not None and not (math.isfinite(cfg.min_lr) and 0 <= cfg.min_lr <= cfg.lr):
+        raise ConfigError(f"--min-lr must lie in [0, --lr] = [0, {cfg.lr}], got {cfg.min_lr}")
+    for name, beta in (("beta1", cfg.beta1), ("beta2", cfg.beta2)):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"--{name} must lie in [0, 1), got {beta}")
+    if not 0 <= cfg.seed < 2**31:
+        raise ConfigError(f"--seed must lie in [0, 2**31), got {cfg.seed}")
     if not 0 <= cfg.dropout < 1:
         raise ConfigError(f"--dropout must lie in [0, 1), got {cfg.dropout}")
     if cfg.on_overflow not in ("skip", "retry") or cfg.max_retries < 0:
@@ -164,7 +171,8 @@ def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(  # step 0 runs at lr / (warmup + 1), as nanoGPT
         cfg.lr / (warmup + 1), cfg.lr, warmup, decay_steps, min_lr)
     decay_mask = jax.tree.map(lambda p: p.ndim >= 2, params)  # matrices and embeddings, as nanoGPT
-    adamw = optax.inject_hyperparams(optax.adamw)(
+    # Hyperparameters in float32 even for half-precision master weights (in bfloat16, beta2=0.99 would round to 1).
+    adamw = optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)(
         learning_rate=schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=decay_mask)
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
     return optax.chain(clip, adamw)
@@ -337,8 +345,6 @@ class DivergenceGuard:
                 "--precision bf16")
 
 
-
-
 class _NullLogger:
     """The metrics logger of processes other than 0: they compute the same records and write nothing."""
 
@@ -449,8 +455,31 @@ def _open_workdir(cfg: TrainConfig) -> tuple[Path, Checkpointer]:
     if stray:
         raise ConfigError(f"--workdir {workdir} holds entries that are not a jaxamp run's ({', '.join(stray[:5])}"
                           f"{' ...' if len(stray) > 5 else ''}); pass a new directory or a jaxamp run's workdir")
+    ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.keep)
+    try:
+        records = read_metrics(workdir / "metrics.jsonl", strict=True)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if not ckpt.steps() and (records or (workdir / "summary.json").exists()):
+        raise ConfigError(f"--workdir {workdir} holds a previous run's metrics (steps up to "
+                          f"{records[-1]['step'] if records else '?'}) but no checkpoint to resume from; pass a new "
+                          "directory, or delete this one to start over")
     workdir.mkdir(parents=True, exist_ok=True)
-    return workdir, Checkpointer(workdir / "checkpoints", keep=cfg.keep)
+    return workdir, ckpt
+
+
+def _finished_summary(workdir: Path, cfg: TrainConfig, step: int) -> dict | None:
+    """A finished run's saved summary when the checkpoint is already at `--steps` or beyond (nothing is rewritten)."""
+    path = workdir / "summary.json"
+    if step < cfg.steps or not path.exists():
+        return None
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # a damaged summary: rewritten by the (empty) training loop
+    _say(f"{workdir} already holds step {step} (--steps {cfg.steps}): nothing to train; raise --steps to continue")
+    _say(_summary_line(summary))
+    return summary
 
 
 def _resume(run: Run, ckpt: Checkpointer) -> TrainState:
@@ -514,6 +543,9 @@ def train(cfg: TrainConfig) -> dict:
     workdir, ckpt = _open_workdir(cfg)
     try:
         state = _resume(run, ckpt)
+        finished = _finished_summary(workdir, cfg, int(state.step))
+        if finished is not None:
+            return finished
         _say(_header(run))
         logger = MetricsLogger(workdir, resume_step=int(state.step)) if is_main_process() else _NullLogger()
         state, stopped_by, wall_s = _train_loop(run, ckpt, logger, state)
@@ -566,8 +598,8 @@ def _train_loop(run: Run, ckpt: Checkpointer, logger: MetricsLogger, state: Trai
                 if diverged:
                     loop.save(state, force=True)
                     ckpt.wait()
-                    raise DivergenceError(f"{diverged}; the last good state is saved as step {done} in "
-                                          f"{ckpt.directory}")
+                    raise DivergenceError(f"{diverged}; the state after step {done} (skipped steps leave the "
+                                          f"weights unchanged) is saved in {ckpt.directory}")
                 bar.update(len(new))
                 bar.set_postfix(loss=f"{new[-1]['loss']:.3f}", scale=f"{new[-1]['loss_scale']:g}",
                                 tok_s=f"{new[-1]['tokens_per_s']:.0f}")

@@ -112,6 +112,8 @@ def test_plot_runs_errors(tmp_path):
     with pytest.raises(PlotError, match="labels"):
         plot_runs([tmp_path / "ok"], tmp_path / "x.png", labels=["a", "b"])
     assert not (tmp_path / "x.png").exists()
+    with pytest.raises(PlotError, match="is a directory"):
+        plot_runs([tmp_path / "ok"], tmp_path / "empty")
 
 
 def test_plot_cli_missing_dir(tmp_path):

@@ -82,6 +82,10 @@ def test_never_inf_nan_zero_or_subnormal_under_random_flags():
     (dict(loss_scale=-1.0), "loss_scale"),
     (dict(loss_scale=0.0), "loss_scale"),
     (dict(loss_scale=2.0**30), "loss_scale"),
+    (dict(growth_factor="2"), "growth_factor"),
+    (dict(backoff_factor="0.5"), "backoff_factor"),
+    (dict(max_loss_scale="1e4"), "max_loss_scale"),
+    (dict(loss_scale="3"), "loss_scale"),
 ])
 def test_invalid_arguments_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):

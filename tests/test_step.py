@@ -80,6 +80,23 @@ def test_master_weights_and_optimizer_state_stay_float32(policy):
         assert metrics["grads_finite"].dtype == jnp.bool_
 
 
+@pytest.mark.parametrize("policy, dtype", [("float16", jnp.float16), ("p=bf16,c=bf16,o=f32", jnp.bfloat16)])
+def test_half_precision_master_weights_keep_their_dtype_under_adamw(policy, dtype):
+    """Master weights as a jmp string gives them: the float32 gradients and hyperparameters never promote the state."""
+    # Hyperparameters in float32: inferred from bfloat16 params, b2=0.999 would round to 1 (optax's behaviour).
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.inject_hyperparams(
+        optax.adamw, hyperparam_dtype=jnp.float32)(learning_rate=1e-2, weight_decay=0.1))
+    state = make_state(policy, DynamicLossScale(2.0**8), tx=tx)
+    dtypes = jax.tree.map(lambda x: x.dtype, (state.params, state.opt_state))
+    assert state.params["l1"]["w"].dtype == dtype and state.opt_state[1].inner_state[0].mu["l1"]["w"].dtype == dtype
+    before = state
+    for i in range(3):
+        state, metrics = step(state, make_batch(i), mlp_loss)
+        assert bool(metrics["grads_finite"])
+        assert jax.tree.map(lambda x: x.dtype, (state.params, state.opt_state)) == dtypes
+    assert bits(state.params) != bits(before.params)
+
+
 @pytest.mark.parametrize("poison", [float("inf"), float("nan")])
 def test_non_finite_step_is_skipped_bitwise(poison):
     state = make_state("fp16", DynamicLossScale(2.0**10))

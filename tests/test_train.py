@@ -1,6 +1,7 @@
 """End to end: experiments/train_lm.py trains, logs, rejects bad input, checkpoints and resumes to the bit."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -108,6 +110,11 @@ def _bad_inputs(tmp_path):
         (["--steps", "0"], "--steps"),
         (["--batch-size", "-2"], "--batch-size"),
         (["--heads", "3"], "--heads (3) must divide --width (32)"),
+        (["--seed", "-1"], "--seed"),
+        (["--min-lr", "-0.01"], "--min-lr"),
+        (["--min-lr", "1"], "--min-lr"),
+        (["--beta1", "1.0"], "--beta1"),
+        (["--beta2", "1.5"], "--beta2"),
     ]
 
 
@@ -131,6 +138,74 @@ def test_workdir_that_is_not_a_run_is_refused_untouched(tmp_path, capsys):
     assert "notes.txt" in capsys.readouterr().err
     assert sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == [
         b for b in before if "thesis.tex" not in b[0]]
+
+
+def _small_corpus(path: Path) -> Path:
+    words = np.array("to be or not to be that is the question whether tis nobler in the mind\n".split(" "))
+    path.write_text(" ".join(np.random.default_rng(0).choice(words, 4000)), encoding="utf-8")
+    return path
+
+
+def test_cli_defaults_equal_the_config_defaults():
+    """A run started from Python (TrainConfig defaults) and one from the CLI save the same settings."""
+    assert train_lm.parse_args([]) == TrainConfig()
+    assert train_lm.parse_args(["--bias"]).bias is True and train_lm.parse_args(["--no-bias"]).bias is False
+
+
+def test_previous_metrics_without_checkpoint_are_refused_untouched(tmp_path, capsys):
+    corpus = _small_corpus(tmp_path / "corpus.txt")
+    args = [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1"]
+    workdir = tmp_path / "run"
+    assert train_lm.main([*args, "--steps", "4", "--workdir", str(workdir)]) == 0
+    shutil.rmtree(workdir / "checkpoints")
+    snapshot = lambda: sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in workdir.rglob("*"))
+    before = snapshot()
+    capsys.readouterr()
+    assert train_lm.main([*args, "--steps", "2", "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no checkpoint to resume from" in err and "steps up to 4" in err and "\n" not in err
+    assert snapshot() == before
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    for text, expected in (("not json\nat all\n", "line 1 is not JSON"), ('{"loss": 1}\n', 'no integer "step"')):
+        (foreign / "metrics.jsonl").write_text(text)
+        assert train_lm.main([*args, "--steps", "2", "--workdir", str(foreign)]) == 2
+        assert expected in capsys.readouterr().err
+        assert (foreign / "metrics.jsonl").read_text() == text and sorted(foreign.iterdir()) == [
+            foreign / "metrics.jsonl"]
+
+
+def test_rerunning_a_finished_run_changes_nothing(tmp_path, capsys):
+    corpus = _small_corpus(tmp_path / "corpus.txt")
+    args = [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1", "--workdir",
+            str(tmp_path / "run")]
+    assert train_lm.main([*args, "--steps", "4"]) == 0
+    files = sorted(p for p in (tmp_path / "run").rglob("*") if p.is_file())
+    before = {p: p.read_bytes() for p in files}
+    capsys.readouterr()
+    for steps in ("4", "2"):
+        assert train_lm.main([*args, "--steps", steps]) == 0
+        out = capsys.readouterr().out
+        assert f"already holds step 4 (--steps {steps}): nothing to train" in out and "summary: " in out
+        assert {p: p.read_bytes() for p in files} == before
+
+
+def test_half_precision_master_weights_train_from_the_cli(tmp_path, capsys):
+    corpus = _small_corpus(tmp_path / "corpus.txt")
+    workdir = tmp_path / "f16"
+    code = train_lm.main([*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1", "--steps",
+                          "6", "--precision", "float16", "--workdir", str(workdir)])
+    assert code == 0
+    assert "summary: precision=p=f16,c=f16,o=f16 steps=6" in capsys.readouterr().out
+    cfg = train_lm.parse_args([*TINY, "--data", str(corpus), "--precision", "float16"])
+    abstract = jax.eval_shape(lambda: build(cfg).state)
+    with Checkpointer(workdir / "checkpoints") as ckpt:
+        state, _ = ckpt.restore(abstract)
+    weights_and_moments = jax.tree.leaves((state.params, state.opt_state[1].inner_state))
+    floats = {x.dtype for x in weights_and_moments if jnp.issubdtype(x.dtype, jnp.floating)}
+    assert floats == {jnp.dtype(jnp.float16)} and len(weights_and_moments) > 3 * len(jax.tree.leaves(state.params))
+    hyper = state.opt_state[1].hyperparams
+    assert hyper["b2"].dtype == jnp.float32  # 0.99 would round to 1.0 in bfloat16
 
 
 def test_bad_input_exits_without_traceback(tmp_path):
@@ -224,14 +299,15 @@ def test_sigterm_saves_exits_zero_and_resumes_bitwise(corpus, uninterrupted, tmp
     assert_bitwise_equal(restored(workdir, corpus), restored(uninterrupted, corpus))
 
 
-def test_resume_with_other_settings_is_refused_untouched(corpus, uninterrupted):
+@pytest.mark.parametrize("flag, ours, theirs", [("--width", "32", "64"), ("--accum-steps", "1", "2")])
+def test_resume_with_other_settings_is_refused_untouched(corpus, uninterrupted, flag, ours, theirs):
     snapshot = lambda: sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in uninterrupted.rglob("*"))
     before = snapshot()
-    args = list(RESUME)
-    args[args.index("--width") + 1] = 64
+    args = [*RESUME, flag, ours] if flag not in RESUME else list(RESUME)
+    args[args.index(flag) + 1] = theirs
     result = cli("--data", corpus, "--workdir", uninterrupted, *_with_steps(args, TOTAL + 10))
     assert result.returncode == 2
-    assert "width" in result.stderr and "32" in result.stderr and "64" in result.stderr
+    assert flag[2:].replace("-", "_") in result.stderr and ours in result.stderr and theirs in result.stderr
     assert "Traceback" not in result.stderr
     assert snapshot() == before
 
