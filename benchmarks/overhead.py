@@ -377,9 +377,12 @@ def report(args, res, argv=None) -> str:
         "Notes:",
         "",
         "- (a) does more per step than (b): a dynamic scale (counter and growth/backoff update) instead of a "
-        "constant one, the global gradient norm metric, `fold_in` of a per-step RNG key, and the step counter. "
-        "(b) closes over `jmp.StaticLossScale`, which is an empty pytree (its scale is baked into the compiled "
-        "step as a constant).",
+        "constant one, the global gradient norm metric (summed in the same pass over the gradients as the finite "
+        "check), per-leaf finite flags, `fold_in` of a per-step RNG key, and the step counter. (b) closes over "
+        "`jmp.StaticLossScale`, which is an empty pytree (its scale is baked into the compiled step as a constant).",
+        "- (d) against (e) is mostly the guard that (e) lacks: selecting new or old params and optimizer state by "
+        "the finite flag reads the old state once more (about 3 passes over params-sized arrays in XLA's cost "
+        "model), the price of leaving the state bitwise unchanged on a non-finite step.",
         f"- Overflowed (skipped) steps during the run: (a) {res['skipped']['a']}, (c) {res['skipped']['c']} "
         "(read back from the final loss-scale state).",
     ]

@@ -106,7 +106,7 @@ def _digests(arrays: list) -> list[str]:
 
     Peak extra host memory is a few leaves, not the whole state; hashlib releases the GIL while hashing.
     """
-    with concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
         return list(pool.map(lambda x: _sha256(_host_array(x)), arrays))
 
 
