@@ -50,12 +50,14 @@ import optax  # noqa: E402
 
 from jaxamp import NoOpLossScale, TrainState, get_policy  # noqa: E402
 from jaxamp.checkpoint import Checkpointer  # noqa: E402
+from jaxamp.cli import check_output  # noqa: E402
 from jaxamp.data import batch_at  # noqa: E402
 from jaxamp.model import TransformerConfig, TransformerLM, count_params  # noqa: E402
 from jaxamp.train import TrainConfig, build, make_optimizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "checkpoint.md"
+TINY_OUT = REPO / "benchmarks" / "results" / "checkpoint_tiny.md"  # --tiny never overwrites the real results
 GPT2_SMALL = TransformerConfig(vocab_size=50304, seq_len=1024, num_layers=12, num_heads=12, width=768)
 TINY_LARGE = TransformerConfig(vocab_size=512, seq_len=64, num_layers=2, num_heads=2, width=64)
 TINY_REFERENCE = TrainConfig(layers=1, heads=2, width=16, seq_len=8, batch_size=2)
@@ -69,10 +71,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-large", action="store_true", help="only the reference state")
     p.add_argument("--data", default=None, help="corpus for the reference state (default: Python stdlib sources)")
     p.add_argument("--tmp-dir", type=Path, default=None, help="where checkpoints are written (default: $TMPDIR)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown output (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"markdown output (default: {DEFAULT_OUT.relative_to(REPO)}; with --tiny: "
+                   f"{TINY_OUT.relative_to(REPO)})")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    args.out = args.out if args.out is not None else (TINY_OUT if args.tiny else DEFAULT_OUT)
+    check_output(p, "--out", args.out)
+    if args.tmp_dir is not None:
+        check_output(p, "--tmp-dir", args.tmp_dir, directory=True)
     return args
 
 
@@ -304,6 +312,8 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     t_start, load_start = time.perf_counter(), _load()
+    if args.tmp_dir is not None:
+        args.tmp_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="jaxamp-ckpt-bench-", dir=args.tmp_dir))
     try:
         ref_cfg = TINY_REFERENCE if args.tiny else TrainConfig()

@@ -50,9 +50,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxamp.data import batch_at, eval_batches  # noqa: E402
+from jaxamp.cli import check_output  # noqa: E402
+from jaxamp.data import DataError, batch_at, eval_batches  # noqa: E402
 from jaxamp.model import count_params  # noqa: E402
-from jaxamp.train import TrainConfig, build  # noqa: E402
+from jaxamp.train import ConfigError, TrainConfig, build  # noqa: E402
 
 try:  # optional: PyTorch is not a jaxamp dependency
     import torch
@@ -778,6 +779,11 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.train_steps < 0 or args.check_steps < 0 or args.pause < 0:
         p.error("--train-steps, --check-steps and --pause must be >= 0")
+    if args.width % args.heads:
+        p.error(f"--heads ({args.heads}) must divide --width ({args.width})")
+    if args.data is not None and not Path(args.data).is_file():
+        p.error(f"--data {args.data} is not a file")
+    check_output(p, "--out", args.out)
     return args
 
 
@@ -797,7 +803,11 @@ def main(argv=None) -> int:
     cfg = TrainConfig(data=args.data, precision="fp32", layers=args.layers, heads=args.heads, width=args.width,
                       seq_len=args.seq_len, batch_size=args.batch_size, steps=max(args.train_steps, 2000),
                       progress=False)
-    run = build(cfg)
+    try:
+        run = build(cfg)
+    except (ConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     n_params = count_params(run.state.params)
     log(f"jaxamp: {n_params:,} parameters; torch: {'n/a' if torch is None else torch.__version__}")
     thr = time_throughput(run, cfg, args)  # first: its first jaxamp step includes the compile

@@ -46,6 +46,7 @@ import optax  # noqa: E402
 from flax.training.dynamic_scale import DynamicScale  # noqa: E402
 
 from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step  # noqa: E402
+from jaxamp.cli import check_output  # noqa: E402
 from jaxamp.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,6 +208,7 @@ def parse_args(argv=None):
         p.error("--warmup must be >= 0")
     if args.width % args.heads:
         p.error(f"--heads ({args.heads}) must divide --width ({args.width})")
+    check_output(p, "--out", args.out)
     return args
 
 

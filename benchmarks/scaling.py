@@ -33,6 +33,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from jaxamp.cli import check_output  # noqa: E402
+from jaxamp.precision import get_policy  # noqa: E402
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "scaling.md"
 # (label, devices, --mesh or None for the plain single-device path)
 CONFIGS = [
@@ -58,7 +62,22 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--child", nargs=2, metavar=("DEVICES", "MESH"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("layers", "heads", "width", "seq_len", "batch_size", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    if args.width % args.heads:
+        p.error(f"--heads ({args.heads}) must divide --width ({args.width})")
+    if args.batch_size % 8:
+        p.error(f"--batch-size must be divisible by 8 (the largest device count), got {args.batch_size}")
+    try:
+        get_policy(args.precision)
+    except ValueError as err:
+        p.error(f"--precision: {err}")
+    check_output(p, "--out", args.out)
+    return args
 
 
 # ---- child: one configuration ----------------------------------------------------------------------------------
@@ -66,7 +85,6 @@ def parse_args(argv=None):
 
 def child(args) -> dict:
     devices, mesh = int(args.child[0]), (None if args.child[1] == "none" else args.child[1])
-    sys.path.insert(0, str(REPO))
     import jax  # pylint: disable=import-outside-toplevel
 
     from jaxamp.train import TrainConfig, build, train_batch  # pylint: disable=import-outside-toplevel
@@ -205,8 +223,6 @@ def main(argv=None) -> int:
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return 0
-    if args.batch_size % 8:
-        raise SystemExit(f"--batch-size must be divisible by 8 (the largest device count), got {args.batch_size}")
     machine = _machine()
     t0 = time.perf_counter()
     results: dict[str, list[dict]] = {label: [] for label, _, _ in CONFIGS}

@@ -44,6 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.batches < 1:
         p.error("--batches must be >= 1")
+    if args.out is not None:
+        from jaxamp.cli import check_output  # pylint: disable=import-outside-toplevel
+
+        check_output(p, "--out", args.out)
     return args
 
 

@@ -6,8 +6,8 @@
 
 The check of Micikevicius et al., *Mixed Precision Training* (ICLR 2018), Figure 3: the gradients of a few batches
 are computed in float32 (the reference) and with float16 compute, once without scaling and once with the loss scale
-(`--loss-scale`, default 2^15, `DynamicLossScale`'s initial value, which a run at this size keeps: growth needs 2000
-finite steps). The histogram of the float32 gradient magnitudes (log2 bins) is drawn over float16's flush-to-zero,
+(`--loss-scale`, default 2^15, `DynamicLossScale`'s initial value; with growth every 2000 finite steps, the
+reference run holds it until its last step, where it grows to 2^16). The histogram of the float32 gradient magnitudes (log2 bins) is drawn over float16's flush-to-zero,
 subnormal, normal and overflow ranges, and the share of nonzero float32 gradient elements that are exactly zero in
 float16 is reported, for the activation gradients (the cotangents of every leaf layer's output: Figure 3's quantity)
 and for the parameter gradients. Both at initialisation and after `--train-steps` float32 training steps (the
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "paper_check"
+FLOAT32_MAX = 3.4028234663852886e38
 FP16_LOG2 = {"subnormal": -24, "normal": -14, "overflow": 16}  # 2^-24 smallest subnormal, 2^-14 smallest normal
 
 
@@ -52,8 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.train_steps < 0 or args.batches < 1:
         p.error("--train-steps must be >= 0 and --batches >= 1")
-    if not (math.isfinite(args.loss_scale) and args.loss_scale > 0):
-        p.error("--loss-scale must be finite and > 0")
+    if not (math.isfinite(args.loss_scale) and 0 < args.loss_scale <= FLOAT32_MAX):
+        p.error(f"--loss-scale must be finite, > 0 and <= float32's maximum {FLOAT32_MAX:.4g}, got {args.loss_scale}")
+    from jaxamp.cli import check_output  # pylint: disable=import-outside-toplevel
+
+    check_output(p, "--out-dir", args.out_dir, directory=True)
     return args
 
 

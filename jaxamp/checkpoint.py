@@ -320,10 +320,14 @@ class Checkpointer:
         Returns:
           True if a save started; False if this step is already on disk (it is never overwritten).
 
+        One writer per directory: two `Checkpointer`s saving into the same directory at once (two runs sharing a
+        workdir) collide in orbax's temporary folders.
+
         Raises:
           ValueError: `config` is not a JSON-serializable dict.
           CheckpointError: the directory holds non-checkpoint entries, or a step folder newer than this step
-            (orbax would silently refuse every save; remove the newer folders or use another directory).
+            (orbax would silently refuse every save; remove the newer folders or use another directory); a previous
+            background save failed; orbax failed to start this save (the cause is chained).
         """
         if not isinstance(config, dict):
             raise ValueError(f"config must be a dict, got {type(config).__name__}")
@@ -334,7 +338,7 @@ class Checkpointer:
         label = int(jax.device_get(state.step))
         self._check_directory()
         manager = self._writer()
-        manager.wait_until_finished()  # a pending save may still be creating its folder
+        self.wait()  # a pending save may still be creating its folder; its failure surfaces here
         on_disk = self.steps()
         if label in on_disk:
             return False
@@ -350,7 +354,11 @@ class Checkpointer:
             config=ocp.args.JsonSave(config),
             integrity=ocp.args.JsonSave(integrity),
         )
-        return bool(manager.save(label, args=args, force=force))
+        try:
+            return bool(manager.save(label, args=args, force=force))
+        except Exception as err:  # noqa: BLE001 - orbax raises OSError, ValueError, RuntimeError, ...
+            raise CheckpointError(f"saving step {label} to {self._dir} failed: {_short(err)} (one Checkpointer, in "
+                                  "one process or one multi-process run, may write a directory)") from err
 
     def wait(self) -> None:
         """Blocks until pending saves are complete (written, committed and old steps deleted).

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -311,3 +312,27 @@ class DynamicLossScale(LossScale):
         fields = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return (f"DynamicLossScale(loss_scale={self._loss_scale!r}, growth_counter={self.growth_counter!r}, "
                 f"overflow_counter={self.overflow_counter!r}, {fields})")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Flax serialization (`flax.serialization.to_state_dict`, `to_bytes`/`from_bytes` of a `TrainState`): the leaves by
+# name; the static hyperparameters come from the target, as they do for orbax restores.
+
+
+def _to_state_dict(loss_scale: LossScale) -> dict:
+    children, _ = loss_scale.tree_flatten_with_keys()
+    return {key.name: flax.serialization.to_state_dict(value) for key, value in children}
+
+
+def _from_state_dict(target: LossScale, state: dict) -> LossScale:
+    children, aux = target.tree_flatten_with_keys()
+    names = [key.name for key, _ in children]
+    if not isinstance(state, dict) or sorted(state) != sorted(names):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"state for {type(target).__name__} must have the fields {names}, got {got}")
+    values = [jnp.asarray(state[name], jnp.asarray(value).dtype) for name, (_, value) in zip(names, children)]
+    return type(target).tree_unflatten(aux, values)
+
+
+for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
+    flax.serialization.register_serialization_state(_cls, _to_state_dict, _from_state_dict)

@@ -84,10 +84,10 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
                              f"({_EXAMPLES})")
         if name in sizes:
             raise ValueError(f"--mesh {spec!r}: axis {name!r} is given twice")
-        try:
-            size = int(value, 10)
-        except ValueError:
-            raise ValueError(f"--mesh {spec!r}: the size of {name!r} must be an integer >= 1, got {value!r}") from None
+        value = value.strip()
+        if not (value.isascii() and value.isdigit()):  # int() would also take "+4", "4_0" and non-ASCII digits
+            raise ValueError(f"--mesh {spec!r}: the size of {name!r} must be an integer >= 1, got {value!r}")
+        size = int(value)
         if size < 1:
             raise ValueError(f"--mesh {spec!r}: the size of {name!r} must be an integer >= 1, got {size}")
         sizes[name] = size

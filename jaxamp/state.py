@@ -11,6 +11,7 @@ import jmp
 import optax
 
 from jaxamp.loss_scale import LossScale
+from jaxamp.precision import get_policy
 
 PyTree = Any
 
@@ -19,6 +20,10 @@ def _raw_key(rng: jax.Array) -> jax.Array:
     """Returns `u32[2]` raw key data for a raw or typed PRNG key (raw keys save and restore as plain arrays)."""
     rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
     if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        impl = str(jax.random.key_impl(rng))
+        if "threefry" not in impl:
+            raise ValueError(f"rng must be a threefry2x32 PRNG key (jax.random.key(seed) with JAX's default "
+                             f"implementation), got a {impl} key")
         rng = jax.random.key_data(rng)
     if rng.dtype != jnp.uint32 or rng.shape != (2,):
         raise ValueError(f"rng must be a PRNG key (jax.random.key(seed) or PRNGKey(seed)), got {rng.dtype}{rng.shape}")
@@ -58,26 +63,40 @@ class TrainState:
         *,
         params: PyTree,
         tx: optax.GradientTransformation,
-        policy: jmp.Policy,
+        policy: jmp.Policy | str,
         loss_scale: LossScale,
         rng: jax.Array,
     ) -> "TrainState":
         """Casts `params` to the policy's param dtype, initialises `tx` on them, and sets `step` to 0.
 
+        Leaves already in the param dtype are not copied: once a step with the state donated has run (the usual
+        `jax.jit(train_step, donate_argnums=0)`), the arrays passed as `params` are deleted. Pass
+        `jax.tree.map(jnp.copy, params)` to keep them.
+
         Args:
-          params: the initial weights, any float dtype.
+          params: the initial weights, every leaf a float array (any float dtype).
           tx: an optax transformation (clipping, schedules and weight decay inside it see unscaled gradients).
-          policy: a `jmp.Policy`, e.g. `jaxamp.get_policy("fp16")`.
+          policy: a `jmp.Policy`, e.g. `jaxamp.get_policy("fp16")`, or a spec `get_policy` accepts ("fp16").
           loss_scale: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`.
-          rng: a PRNG key, typed (`jax.random.key`) or raw (`jax.random.PRNGKey`); stored raw, `u32[2]`.
+          rng: a PRNG key, typed (`jax.random.key`) or raw (`jax.random.PRNGKey`), threefry2x32 (JAX's default);
+            stored raw, `u32[2]`.
 
         Raises:
-          ValueError: `rng` is not a PRNG key, or `loss_scale` is not a jaxamp loss scale.
+          ValueError: `rng` is not a threefry PRNG key, `loss_scale` is not a jaxamp loss scale, `policy` is neither
+            a `jmp.Policy` nor a known spec, or a `params` leaf is not a float array (names the leaf).
         """
         if not isinstance(loss_scale, LossScale):
             raise ValueError(
                 f"loss_scale must be a jaxamp NoOpLossScale, StaticLossScale or DynamicLossScale, got "
                 f"{type(loss_scale).__name__} (jmp's own DynamicLossScale loses min_loss_scale under jit)")
+        if isinstance(policy, str):
+            policy = get_policy(policy)
+        if not isinstance(policy, jmp.Policy):
+            raise ValueError(f"policy must be a jmp.Policy or a spec such as 'fp16', got {type(policy).__name__}")
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+                raise ValueError(f"params{jax.tree_util.keystr(path)} is {jnp.result_type(leaf)}: master weights "
+                                 "must be float arrays (keep integer state such as counters outside params)")
         params = policy.cast_to_param(params)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and i32 counts (all float32 here)
             opt_state = tx.init(params)

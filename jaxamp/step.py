@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -21,6 +22,9 @@ def _split_loss(out) -> tuple[jax.Array, Any]:
     loss = jnp.asarray(loss)
     if loss.shape != ():
         raise ValueError(f"loss_fn must return a scalar loss (or (loss, aux)), got shape {loss.shape}")
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(f"loss_fn must return a real floating-point loss, got {loss.dtype} (an integer loss has no "
+                         "gradient; a complex one has no order)")
     return loss.astype(jnp.float32), aux
 
 
@@ -31,7 +35,9 @@ def select_tree(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
 
 def _leaf_check(x) -> tuple[jax.Array, jax.Array]:
     """`(f32[] sum of squares, bool[] all finite)` of one leaf in one pass (a variadic `lax.reduce`)."""
-    x = jnp.asarray(x)
+    # A decision and a metric, not part of the update's value: no derivative (JAX's JVP of a variadic reduce with a
+    # bool operand fails, so differentiating through `train_step`, e.g. for hypergradients, needs this).
+    x = jax.lax.stop_gradient(jnp.asarray(x))
     if not jnp.issubdtype(x.dtype, jnp.floating):  # integer or boolean leaves: finite, no norm
         return jnp.zeros((), jnp.float32), jnp.ones((), jnp.bool_)
     xf = x.astype(jnp.float32)
@@ -76,6 +82,7 @@ def _micro_grads(loss_fn, loss_scale, params_c, batch, rng):
 
 def _split_micro(batch: PyTree, accum_steps: int) -> PyTree:
     def split(x):
+        x = jnp.asarray(x)
         if x.ndim == 0 or x.shape[0] % accum_steps:
             raise ValueError(f"accum_steps={accum_steps} must divide the batch's leading axis, got shape {x.shape}")
         # Strided: micro-batch i = rows i, i + accum, ...; so under a batch sharded by rows every device holds its
@@ -197,11 +204,14 @@ def train_step(
       which leaves overflowed), `retries` (i32[]), `aux` when `loss_fn` returns one, and `underflow` when asked.
 
     Raises:
-      ValueError: `loss_fn` returned a non-scalar loss, `accum_steps` does not divide the batch, or a bad
-        `on_overflow`/`accum_steps`/`max_retries`.
+      ValueError: `loss_fn` returned a non-scalar or non-float loss, `accum_steps` does not divide the batch, or
+        a bad `on_overflow`/`accum_steps`/`max_retries`.
     """
     if on_overflow not in ("skip", "retry"):
         raise ValueError(f'on_overflow must be "skip" or "retry", got {on_overflow!r}')
+    for name, value in (("accum_steps", accum_steps), ("max_retries", max_retries)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
     if accum_steps < 1 or max_retries < 0:
         raise ValueError(f"accum_steps must be >= 1 and max_retries >= 0, got {accum_steps}, {max_retries}")
     rng = jax.random.fold_in(state.rng, state.step)

@@ -178,7 +178,9 @@ def test_parse_mesh_spec(spec, expected):
     ("data=two", "must be an integer >= 1, got 'two'"),
     ("data=1.5", "must be an integer >= 1, got '1.5'"),
     ("data=0", "must be an integer >= 1, got 0"),
-    ("data=-2", "must be an integer >= 1, got -2"),
+    ("data=-2", "must be an integer >= 1, got '-2'"),
+    ("data=\u0664", "must be an integer >= 1, got '\u0664'"),  # an Arabic-Indic four
+    ("data=4_0", "must be an integer >= 1, got '4_0'"),
 ])
 def test_parse_mesh_spec_errors(spec, message):
     with pytest.raises(ValueError, match="--mesh") as err:

@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy
+from jaxamp import DynamicLossScale, NoOpLossScale, StaticLossScale, TrainState, get_policy
 
 
 def _params(dtype=jnp.float32):
@@ -44,6 +44,42 @@ def test_rejects_jmp_loss_scale_and_bad_rng():
     with pytest.raises(ValueError, match="loss_scale must be a jaxamp"):
         TrainState.create(params=_params(), tx=optax.sgd(0.1), policy=get_policy("fp16"),
                           loss_scale=jmp.DynamicLossScale(jnp.float32(2.0**15)), rng=jax.random.key(0))
-    with pytest.raises(ValueError, match="rng must be a PRNG key"):
+    with pytest.raises(ValueError, match="rng must be a"):
         TrainState.create(params=_params(), tx=optax.sgd(0.1), policy=get_policy("fp16"),
                           loss_scale=NoOpLossScale(), rng=jnp.zeros((3,), jnp.float32))
+
+
+def test_policy_spec_string_and_bad_policy_params_and_key():
+    state = TrainState.create(params=_params(), tx=optax.sgd(0.1), policy="fp16", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(0))
+    assert state.policy == get_policy("fp16")
+    make = lambda **kw: TrainState.create(**{**dict(params=_params(), tx=optax.sgd(0.1), policy="fp32",
+                                                    loss_scale=NoOpLossScale(), rng=jax.random.key(0)), **kw})
+    with pytest.raises(ValueError, match="policy must be a jmp.Policy"):
+        make(policy=None)
+    with pytest.raises(ValueError, match="fp8"):
+        make(policy="fp8")
+    with pytest.raises(ValueError, match=r"params\['n'\] is int32: master weights must be float"):
+        make(params={**_params(), "n": jnp.arange(3)})
+    with pytest.raises(ValueError, match="threefry2x32 PRNG key .* got a rbg key"):
+        make(rng=jax.random.key(0, impl="rbg"))
+
+
+def test_train_state_round_trips_through_flax_serialization():
+    import flax.serialization
+
+    tx = optax.adam(1e-3)
+    for scale in (NoOpLossScale(), StaticLossScale(8.0), DynamicLossScale(2.0**10, growth_interval=3, hysteresis=2)):
+        state = TrainState.create(params=_params(), tx=tx, policy="fp16", loss_scale=scale, rng=jax.random.key(0))
+        state = state.replace(loss_scale=state.loss_scale.adjust(jnp.array(True)).adjust(jnp.array(False)))
+        target = TrainState.create(params={"w": jnp.ones((3, 2)), "b": jnp.ones(2)}, tx=tx, policy="fp16",
+                                   loss_scale=scale, rng=jax.random.key(1))
+        restored = flax.serialization.from_bytes(target, flax.serialization.to_bytes(state))
+        assert jax.tree.structure(restored) == jax.tree.structure(state)
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+            assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    as_dict = flax.serialization.to_state_dict(state)["loss_scale"]
+    assert sorted(as_dict) == ["growth_counter", "loss_scale", "overflow_counter"]
+    assert int(as_dict["overflow_counter"]) == 1
+    with pytest.raises(ValueError, match="must have the fields"):
+        flax.serialization.from_state_dict(DynamicLossScale(), {"loss_scale": 8.0})

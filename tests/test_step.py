@@ -357,3 +357,38 @@ def test_underflow_stats_in_metrics():
                             underflow_stats=True, accum_steps=4)
     assert 0 <= float(metrics["underflow"]["zero_fraction"]) <= 1
     assert np.isfinite(float(metrics["underflow"]["headroom_log2"]))
+
+
+def test_differentiable_through_the_step():
+    """Hypergradients: d(updated params)/d(batch) through train_step (the finite check and norm are not differentiated)."""
+    batch = make_batch(0)
+    grads = {}
+    for policy, scale in (("fp32", NoOpLossScale()), ("fp16", DynamicLossScale(2.0**10))):
+        state = make_state(policy, scale, tx=optax.sgd(0.1))
+
+        def updated_bias(x, state=state):
+            new, _ = train_step(state, {**batch, "x": x}, mlp_loss)
+            return jnp.sum(new.params["l2"]["b"])
+
+        grads[policy] = jax.grad(updated_bias)(batch["x"])
+        if policy == "fp32":  # central difference on one input
+            eps = 1e-2
+            diff = (updated_bias(batch["x"].at[0, 0].add(eps)) - updated_bias(batch["x"].at[0, 0].add(-eps))) / (2 * eps)
+            np.testing.assert_allclose(float(diff), float(grads["fp32"][0, 0]), rtol=0.02)
+    assert float(jnp.abs(grads["fp32"]).sum()) > 0
+    # float16 compute: the same hypergradient to float16 rounding
+    err = float(jnp.linalg.norm(grads["fp16"] - grads["fp32"]) / jnp.linalg.norm(grads["fp32"]))
+    assert err < 0.02, err
+
+
+def test_bad_loss_dtype_and_step_arguments():
+    state = make_state()
+    with pytest.raises(ValueError, match="real floating-point loss, got int32"):
+        step(state, make_batch(0), lambda p, b, r: mlp_loss(p, b, r).astype(jnp.int32))
+    with pytest.raises(ValueError, match="real floating-point loss, got complex64"):
+        step(state, make_batch(0), lambda p, b, r: mlp_loss(p, b, r).astype(jnp.complex64))
+    for bad in (2.0, True):
+        with pytest.raises(ValueError, match="accum_steps must be an integer"):
+            train_step(state, make_batch(0), mlp_loss, accum_steps=bad)
+    with pytest.raises(ValueError, match="must divide the batch's leading axis"):
+        train_step(state, {**make_batch(0), "scale": 1.0}, mlp_loss, accum_steps=2)
