@@ -50,7 +50,7 @@ import optax  # noqa: E402
 
 from jaxamp import NoOpLossScale, TrainState, get_policy  # noqa: E402
 from jaxamp.checkpoint import Checkpointer  # noqa: E402
-from jaxamp.cli import check_output  # noqa: E402
+from jaxamp.cli import check_output, write_report  # noqa: E402
 from jaxamp.data import batch_at  # noqa: E402
 from jaxamp.model import TransformerConfig, TransformerLM, count_params  # noqa: E402
 from jaxamp.train import TrainConfig, build, make_optimizer  # noqa: E402
@@ -336,9 +336,7 @@ def main(argv=None) -> int:
         text = report(rows, args, argv, tmp, time.perf_counter() - t_start, (load_start, _load()))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    write_report(args.out, text)
     return 0
 
 

@@ -46,7 +46,7 @@ import optax  # noqa: E402
 from flax.training.dynamic_scale import DynamicScale  # noqa: E402
 
 from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step  # noqa: E402
-from jaxamp.cli import check_output  # noqa: E402
+from jaxamp.cli import check_output, check_sizes  # noqa: E402
 from jaxamp.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,13 +201,7 @@ def parse_args(argv=None):
                    "3 steps (two extra compiles; default: on)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown table to write (default: %(default)s)")
     args = p.parse_args(argv)
-    for name in ("steps", "rounds", "layers", "heads", "width", "seq_len", "batch_size", "vocab"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
-    if args.width % args.heads:
-        p.error(f"--heads ({args.heads}) must divide --width ({args.width})")
+    check_sizes(p, args, ("steps", "rounds", "layers", "heads", "width", "seq_len", "batch_size", "vocab"), ("warmup",))
     check_output(p, "--out", args.out)
     return args
 

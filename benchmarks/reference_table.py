@@ -14,6 +14,10 @@ import platform
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from jaxamp.cli import write_report  # noqa: E402
+
 NANOGPT_VAL = 1.88  # nanoGPT README, shakespeare_char CPU recipe
 COMMAND = ("python experiments/train_lm.py --data ../shared/data/tinyshakespeare.txt --precision {p} --layers 4 "
            "--heads 4 --width 128 --seq-len 64 --batch-size 12 --steps 2000 --lr 1e-3 --dropout 0 "
@@ -60,10 +64,7 @@ def main(argv=None) -> int:
         print(f"error: no summary.json in {', '.join(missing)}; run experiments/train_lm.py there first",
               file=sys.stderr)
         return 2
-    text = table(args.runs)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    write_report(args.out, table(args.runs))
     return 0
 
 

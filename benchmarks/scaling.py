@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from jaxamp.cli import check_output  # noqa: E402
+from jaxamp.cli import check_output, check_sizes, write_report  # noqa: E402
 from jaxamp.precision import get_policy  # noqa: E402
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "scaling.md"
 # (label, devices, --mesh or None for the plain single-device path)
@@ -63,13 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--child", nargs=2, metavar=("DEVICES", "MESH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name in ("layers", "heads", "width", "seq_len", "batch_size", "steps", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
-    if args.width % args.heads:
-        p.error(f"--heads ({args.heads}) must divide --width ({args.width})")
+    check_sizes(p, args, ("layers", "heads", "width", "seq_len", "batch_size", "steps", "rounds"), ("warmup",))
     if args.batch_size % 8:
         p.error(f"--batch-size must be divisible by 8 (the largest device count), got {args.batch_size}")
     try:
@@ -236,10 +230,7 @@ def main(argv=None) -> int:
                 raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
             results[label].append(json.loads(lines[-1][len("RESULT "):]))
             print(f"round {r + 1} {label}: {results[label][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
-    text = report(args, argv, machine, results, time.perf_counter() - t0)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    write_report(args.out, report(args, argv, machine, results, time.perf_counter() - t0))
     return 0
 
 

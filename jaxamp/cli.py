@@ -24,3 +24,25 @@ def check_output(parser: argparse.ArgumentParser, flag: str, path: str | Path, *
             if not parent.is_dir():
                 parser.error(f"{flag} {path}: {parent} is a file, so the folder cannot be created")
             break
+
+
+def check_sizes(parser: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...],
+                nonnegative: tuple[str, ...] = ()) -> None:
+    """Usage errors for `args` attributes that must be >= 1 (`positive`) or >= 0, and for heads not dividing width
+    (checked when `args` has both)."""
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in nonnegative:
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0")
+    if hasattr(args, "width") and hasattr(args, "heads") and args.width % args.heads:
+        parser.error(f"--heads ({args.heads}) must divide --width ({args.width})")
+
+
+def write_report(path: str | Path, text: str) -> None:
+    """Writes a markdown report (creating its folder) and prints it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    print(text)
