@@ -350,9 +350,9 @@ def _log2_bin(a: np.ndarray) -> np.ndarray:
 
 
 def _stats(ref: list[np.ndarray], unscaled: list[np.ndarray], scaled: list[np.ndarray], names: list[str],
-           loss_scale: float) -> dict:
-    """Flush-to-zero statistics of matching float32-reference / half-precision gradient arrays (host arrays)."""
-    fmt = FORMATS["fp16"]
+           loss_scale: float, fmt: FloatFormat) -> dict:
+    """Flush-to-zero statistics of matching float32-reference / half-precision gradient arrays (host arrays), against
+    the thresholds of `fmt` (the compute dtype's format)."""
     nbins = len(LOG2_BINS)
     total = {"size": 0, "nonzero": 0, "flushed_unscaled": 0, "flushed_scaled": 0, "nonfinite_unscaled": 0,
              "nonfinite_scaled": 0, "predicted_unscaled": 0, "predicted_scaled": 0}
@@ -368,7 +368,7 @@ def _stats(ref: list[np.ndarray], unscaled: list[np.ndarray], scaled: list[np.nd
             "flushed_unscaled": int(np.count_nonzero(flushed_u)), "flushed_scaled": int(np.count_nonzero(flushed_s)),
             "nonfinite_unscaled": int(np.count_nonzero(~np.isfinite(u))),
             "nonfinite_scaled": int(np.count_nonzero(~np.isfinite(s))),
-            # What rounding the float32 value itself to float16 would flush (no error upstream).
+            # What rounding the float32 value itself to the compute dtype would flush (no error upstream).
             "predicted_unscaled": int(np.count_nonzero(nz & (a <= fmt.flush_at))),
             "predicted_scaled": int(np.count_nonzero(nz & (a <= fmt.flush_at / loss_scale))),
         }
@@ -384,7 +384,7 @@ def _stats(ref: list[np.ndarray], unscaled: list[np.ndarray], scaled: list[np.nd
                          "flushed_scaled": counts["flushed_scaled"] / max(counts["nonzero"], 1)})
     nz = max(total["nonzero"], 1)
     size = max(total["size"], 1)
-    # Largest power-of-two scale that keeps the largest float32 gradient below float16's max.
+    # Largest power-of-two scale that keeps the largest float32 gradient below the compute dtype's max.
     safe = math.floor(math.log2(fmt.max / max_abs)) if max_abs > 0 else None
     return {
         "loss_scale": float(loss_scale),
@@ -450,23 +450,27 @@ def gradient_underflow(loss_fn: Callable, params: PyTree, batches: Sequence, *, 
       params: float32 master params.
       batches: a list of batches (each as `loss_fn` takes it); statistics are summed over them.
       loss_scale: the scale of pass (c), e.g. `DynamicLossScale`'s initial 2**15.
-      compute_dtype: float16 (default) or another half-precision dtype.
+      compute_dtype: float16 (default) or bfloat16; the flush and overflow thresholds are that format's.
       rng: passed to `loss_fn` (None: deterministic).
 
     Returns:
       `{"params": stats, "activations": stats}`; `stats` has `loss_scale`, `size` (elements), `nonzero_reference`
       (nonzero in float32), `flushed_unscaled` and `flushed_scaled` (fractions of the nonzero reference elements
       that are 0 in (b) / (c)), `predicted_flush_unscaled` / `_scaled` (fractions whose float32 value, times the
-      scale, is <= 2^-25, i.e. rounds to 0 by itself), `nonfinite_unscaled` / `_scaled` (fractions of all elements
-      that are inf/NaN), `max_abs_reference`, `max_safe_log2_scale` (largest k with max|g| * 2^k <= 65504, the
-      headroom), `log2_bins` (lower edges: bin i holds |g| in [2^bins[i], 2^(bins[i]+1))), `counts_reference` (nonzero
+      scale, is <= the format's flush threshold, 2^-25 for float16 and 2^-134 for bfloat16, i.e. rounds to 0 by
+      itself), `nonfinite_unscaled` / `_scaled` (fractions of all elements that are inf/NaN), `max_abs_reference`,
+      `max_safe_log2_scale` (largest k with max|g| * 2^k <= the format's max, 65504 for float16: the headroom), `log2_bins` (lower edges: bin i holds |g| in [2^bins[i], 2^(bins[i]+1))), `counts_reference` (nonzero
       float32 gradients per bin), `counts_flushed_unscaled` / `_scaled` (of those, flushed in (b) / (c)) and
       `per_leaf` (per parameter / per module output: name, size, nonzero, flushed fractions).
 
     Raises:
       ValueError: `batches` is not a non-empty list (a bare `(inputs, targets)` pair would be ambiguous: wrap it,
-        `[batch]`), or `loss_scale` is not finite and > 0.
+        `[batch]`), `loss_scale` is not finite and > 0, or `compute_dtype` is neither float16 nor bfloat16.
     """
+    formats = {jnp.dtype(FORMATS[k].name): FORMATS[k] for k in FORMATS}
+    if jnp.dtype(compute_dtype) not in formats:
+        raise ValueError(f"compute_dtype must be float16 or bfloat16, got {jnp.dtype(compute_dtype)}")
+    fmt = formats[jnp.dtype(compute_dtype)]
     if not isinstance(batches, list) or not batches:
         raise ValueError("batches must be a non-empty list of batches; wrap a single batch as [batch]")
     if not (math.isfinite(loss_scale) and loss_scale > 0):
@@ -500,5 +504,5 @@ def gradient_underflow(loss_fn: Callable, params: PyTree, batches: Sequence, *, 
     for what in ("params", "activations"):
         per = {k: [np.concatenate(arrs) if arrs else np.zeros(0, np.float32) for arrs in zip(*host[what][k])]
                for k in passes}
-        result[what] = _stats(per["reference"], per["unscaled"], per["scaled"], names[what], loss_scale)
+        result[what] = _stats(per["reference"], per["unscaled"], per["scaled"], names[what], loss_scale, fmt)
     return result

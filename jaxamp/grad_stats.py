@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -59,7 +60,8 @@ def nonfinite_paths(leaf_finite: PyTree) -> list[str]:
 
 
 def worst_leaves(leaf_values: PyTree, k: int = 3, *, largest: bool = True) -> list[tuple[str, float]]:
-    """Host side: the `k` leaves with the largest (or smallest) value, as `(path, value)` pairs."""
+    """Host side: the `k` leaves with the largest (or smallest) value, as `(path, value)` pairs; NaN values first."""
     flat = [(jax.tree_util.keystr(p), float(np.asarray(v))) for p, v in jax.tree_util.tree_flatten_with_path(
         leaf_values)[0]]
-    return sorted(flat, key=lambda pv: pv[1], reverse=largest)[:k]
+    sign = -1.0 if largest else 1.0
+    return sorted(flat, key=lambda pv: (not math.isnan(pv[1]), sign * pv[1] if not math.isnan(pv[1]) else 0.0))[:k]

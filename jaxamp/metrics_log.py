@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 
 TB_SCALARS = ("loss", "val_loss", "loss_scale", "grads_finite", "skipped_steps", "grad_norm", "lr", "tokens_per_s")
@@ -71,7 +72,10 @@ class MetricsLogger:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(workdir) / "tb"), purge_step=resume_step + 1 if resume_step else None)
+            # A suffix unique to this logger: tensorboardX names files by the second, and a second logger opened in
+            # the same second (an in-process resume) would truncate the first one's file.
+            self._tb = SummaryWriter(str(Path(workdir) / "tb"), purge_step=resume_step + 1 if resume_step else None,
+                                     filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:8]}")
 
     def write(self, records: list[dict]) -> None:
         """Appends records (each with `step`) and flushes; adds `skipped_steps` (skipped so far) to each."""

@@ -68,6 +68,7 @@ __all__ = [
 
 # nanoGPT initialisation scale for every Dense and Embed kernel.
 _INIT_STD = 0.02
+_F32_TINY = float(jnp.finfo(jnp.float32).tiny)  # smallest normal float32: a smaller temperature flushes to 0
 # PyTorch's nn.LayerNorm default epsilon, as used by nanoGPT.
 _LAYER_NORM_EPS = 1e-5
 
@@ -476,7 +477,8 @@ def _generate_jit(
         logits = model.apply(params, ctx)  # f32[batch, window, vocab]
         last = lax.dynamic_index_in_dim(logits, pos - 1 - start, axis=1, keepdims=False)  # f32[batch, vocab]
         rng, sub = jax.random.split(rng)
-        nxt = jax.random.categorical(sub, last / temperature, axis=-1).astype(jnp.int32)  # i32[batch]
+        shifted = last - jnp.max(last, axis=-1, keepdims=True)  # <= 0, the argmax at 0: a tiny temperature -> greedy
+        nxt = jax.random.categorical(sub, shifted / temperature, axis=-1).astype(jnp.int32)  # i32[batch]
         buf = lax.dynamic_update_slice(buf, nxt[:, None], (0, pos))
         return buf, rng
 
@@ -506,7 +508,7 @@ def generate(
             ``prompt_len >= 1``; may be longer than ``seq_len`` (it is cropped).
         num_tokens: Number of new tokens to sample (>= 0).
         rng: A ``jax.random`` key.
-        temperature: Softmax temperature, > 0.
+        temperature: Softmax temperature, a normal float32 (>= ~1.2e-38); near 0 it samples the argmax.
 
     Returns:
         ``i32[prompt_len + num_tokens]`` or ``i32[batch, prompt_len + num_tokens]``
@@ -514,7 +516,7 @@ def generate(
 
     Raises:
         ValueError: On an empty or non-integer prompt, a prompt of rank other
-            than 1 or 2, ``num_tokens < 0`` or ``temperature <= 0``.
+            than 1 or 2, ``num_tokens < 0`` or ``temperature`` below float32's smallest normal number.
     """
     prompt = jnp.asarray(prompt_tokens)
     if not jnp.issubdtype(prompt.dtype, jnp.integer):
@@ -528,8 +530,9 @@ def generate(
         raise ValueError("prompt_tokens is empty; pass at least one token (e.g. the id of '\\n')")
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= _F32_TINY):
+        raise ValueError(f"temperature must be a finite float32 >= {_F32_TINY:.3g} (a normal number), got "
+                         f"{temperature}")
     prompt = prompt.astype(jnp.int32)
     if num_tokens == 0:
         out = prompt

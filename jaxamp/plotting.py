@@ -73,6 +73,11 @@ def load_run(run_dir: str | Path) -> list[dict]:
     return sorted(records, key=lambda r: r["step"])
 
 
+def _lone(steps) -> str | None:
+    """A marker for a series of one point (a line through one point draws nothing)."""
+    return "o" if len(steps) == 1 else None
+
+
 def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path, labels: Sequence[str] | None = None) -> Path:
     """Draws the runs' training curves into one PNG with four panels and returns its path.
 
@@ -113,7 +118,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path, labels: Sequ
         if loss:
             ax_loss.plot(steps, loss, color=color, alpha=0.25, linewidth=0.8)
             weight = min(0.98, max(0.0, 1 - 40 / len(loss)))  # window ~len/40 steps: 5 at 200 steps, 50 at 2000+
-            ax_loss.plot(steps, _ema(loss, weight), color=color, linewidth=1.8, label=f"{label} train")
+            ax_loss.plot(steps, _ema(loss, weight), color=color, linewidth=1.8, label=f"{label} train",
+                         marker=_lone(steps))
         vsteps, vloss = _series(records, "val_loss")
         if vloss:
             ax_loss.plot(vsteps, vloss, color=color, marker="o", linestyle="--", linewidth=1, markersize=5,
@@ -121,7 +127,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path, labels: Sequ
 
         ssteps, scale = _series(records, "loss_scale", positive=True)
         if scale:
-            ax_scale.plot(ssteps, scale, color=color, linewidth=1.5, drawstyle="steps-post", label=label)
+            ax_scale.plot(ssteps, scale, color=color, linewidth=1.5, drawstyle="steps-post", label=label,
+                          marker=_lone(ssteps))
         skipped = [(r["step"], r["loss_scale"]) for r in records
                    if r.get("grads_finite") is False and _finite(r.get("loss_scale")) and r["loss_scale"] > 0]
         if skipped:
@@ -132,11 +139,11 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path, labels: Sequ
 
         nsteps, norm = _series(records, "grad_norm", positive=True)
         if norm:
-            ax_norm.plot(nsteps, norm, color=color, linewidth=1, label=label)
+            ax_norm.plot(nsteps, norm, color=color, linewidth=1, label=label, marker=_lone(nsteps))
 
         tsteps, speed = _series(records, "tokens_per_s", positive=True)
         if speed:
-            ax_speed.plot(tsteps, speed, color=color, linewidth=1.2, label=label)
+            ax_speed.plot(tsteps, speed, color=color, linewidth=1.2, label=label, marker=_lone(tsteps))
 
     ax_loss.set(title="loss (train: raw + smoothed; val: markers)", xlabel="step", ylabel="cross-entropy (nats/token)")
     ax_scale.set(title="loss scale (x = skipped step)", xlabel="step", ylabel="loss scale")

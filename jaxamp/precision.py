@@ -61,7 +61,8 @@ def get_policy(spec: str | Policy) -> Policy:
 
 
 def policy_name(policy: Policy) -> str:
-    """Returns the preset name of `policy` if it is one, else jmp's short form (e.g. `"p=f32,c=f16,o=f32"`)."""
+    """Returns the preset name of `policy` if it is one, else jmp's short form (e.g. `"p=f32,c=f16,o=f16"` for
+    `get_policy("float16")`; jmp writes float32 as `full` in some forms). `get_policy(policy_name(p)) == p`."""
     for name, preset in PRESETS.items():
         if preset == policy:
             return name

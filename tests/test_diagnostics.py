@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -146,6 +147,29 @@ def test_gradient_underflow_scaling_keeps_small_gradients(tiny_lm):
     # A scale far beyond the headroom overflows instead (same compiled functions: the scale is traced).
     huge = gradient_underflow(loss_fn, params, batches[:1], loss_scale=2.0 ** (acts["max_safe_log2_scale"] + 8))
     assert huge["activations"]["nonfinite_scaled"] > 0
+
+
+def test_gradient_underflow_uses_the_compute_dtypes_thresholds():
+    """Gradients of 1, 1e-8 and 1e-12: float16 flushes the last two (<= 2^-25), bfloat16 none (down to 2^-134)."""
+    import flax.linen as nn
+
+    dense = nn.Dense(3, kernel_init=nn.initializers.ones, bias_init=nn.initializers.zeros)
+    params = dense.init(jax.random.key(0), jnp.ones((1, 1)))["params"]
+    weights = jnp.asarray([1.0, 1e-8, 1e-12], jnp.float32)
+
+    def loss_fn(p, batch, rng):
+        del rng
+        out = dense.apply({"params": p}, batch.astype(jax.tree.leaves(p)[0].dtype))
+        return jnp.sum(out.astype(jnp.float32) * weights)
+
+    batch = [jnp.ones((1, 1), jnp.float32)]
+    f16 = gradient_underflow(loss_fn, params, batch, loss_scale=1.0, compute_dtype=jnp.float16)["params"]
+    b16 = gradient_underflow(loss_fn, params, batch, loss_scale=1.0, compute_dtype=jnp.bfloat16)["params"]
+    assert f16["predicted_flush_unscaled"] == pytest.approx(2 / 3) and f16["flushed_unscaled"] == pytest.approx(2 / 3)
+    assert b16["predicted_flush_unscaled"] == 0 and b16["flushed_unscaled"] == 0
+    assert f16["max_safe_log2_scale"] == 15 and b16["max_safe_log2_scale"] == 127
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        gradient_underflow(loss_fn, params, batch, compute_dtype=jnp.float32)
 
 
 def test_gradient_underflow_rejects_a_bare_batch(tiny_lm):

@@ -24,3 +24,6 @@ def test_nonfinite_paths_and_worst_leaves():
     values = {"a": 0.1, "b": 0.9, "c": 0.5}
     assert worst_leaves(values, 2) == [("['b']", 0.9), ("['c']", 0.5)]
     assert worst_leaves(values, 1, largest=False) == [("['a']", 0.1)]
+    with_nan = {**values, "n": float("nan")}  # a NaN headroom (a NaN gradient) is the worst either way
+    assert [p for p, _ in worst_leaves(with_nan, 2)] == ["['n']", "['b']"]
+    assert [p for p, _ in worst_leaves(with_nan, 2, largest=False)] == ["['n']", "['a']"]

@@ -341,6 +341,13 @@ def test_generate_shapes_and_valid_ids(tiny):
     np.testing.assert_array_equal(np.asarray(generate(model, variables, GEN_PROMPT, 0, jax.random.key(0))), GEN_PROMPT)
     with pytest.raises(ValueError, match="temperature"):
         generate(model, variables, GEN_PROMPT, 3, jax.random.key(0), temperature=0.0)
+    with pytest.raises(ValueError, match="temperature"):  # flushes to 0 in float32
+        generate(model, variables, GEN_PROMPT, 3, jax.random.key(0), temperature=1e-39)
+    # The smallest accepted temperature is greedy, even with large logits (no inf/inf = NaN).
+    big = jax.tree.map(lambda x: x * 20, variables)
+    np.testing.assert_array_equal(
+        np.asarray(generate(model, big, GEN_PROMPT, 4, jax.random.key(0), temperature=1.2e-38)),
+        np.asarray(generate(model, big, GEN_PROMPT, 4, jax.random.key(9), temperature=1e-6)))
     with pytest.raises(ValueError, match="empty"):
         generate(model, variables, jnp.zeros((1, 0), jnp.int32), 3, jax.random.key(0))
 

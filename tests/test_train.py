@@ -86,6 +86,24 @@ def tensorboard_scalars(logdir) -> dict:
     return out
 
 
+def test_tensorboard_keeps_every_step_across_a_resume_within_one_second(tmp_path):
+    """tensorboardX names event files by the second: a resumed logger must not truncate the first one's file."""
+    from jaxamp.metrics_log import MetricsLogger
+
+    record = lambda step: {"step": step, "loss": 5.0 - step, "loss_scale": 2.0**15, "grads_finite": True,
+                           "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1.0}
+    first = MetricsLogger(tmp_path)
+    first.write([record(s) for s in (1, 2, 3, 4)])
+    first.close()
+    second = MetricsLogger(tmp_path, resume_step=2)  # steps 3-4 are dropped and written again
+    second.write([record(s) for s in (3, 4, 5)])
+    second.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2
+    steps = sorted({step for step, _ in tensorboard_scalars(tmp_path / "tb")["train/loss"]})
+    assert steps == [1, 2, 3, 4, 5]
+
+
 def test_default_corpus_needs_no_download(tmp_path, capsys):
     code = train_lm.main(["--steps", "3", "--eval-every", "3", "--workdir", str(tmp_path / "run"), *TINY])
     assert code == 0
