@@ -330,7 +330,8 @@ def _from_state_dict(target: LossScale, state: dict) -> LossScale:
     if not isinstance(state, dict) or sorted(state) != sorted(names):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"state for {type(target).__name__} must have the fields {names}, got {got}")
-    values = [jnp.asarray(state[name], jnp.asarray(value).dtype) for name, (_, value) in zip(names, children)]
+    dtypes = [value.dtype if hasattr(value, "dtype") else jnp.asarray(value).dtype for _, value in children]
+    values = [jnp.asarray(state[name], dtype) for name, dtype in zip(names, dtypes)]
     return type(target).tree_unflatten(aux, values)
 
 

@@ -193,7 +193,8 @@ def train_step(
         (`loss_scale.backoff()`, ignoring hysteresis) and recompute the same batch inside this call, up to
         `max_retries` times, so no batch is lost to a too-high scale; it falls back to a skip when retries run out
         or the scale cannot go lower. Static.
-      max_retries: retries per step for `"retry"`. Static.
+      max_retries: retries per step for `"retry"`. Static. (`"skip"` steps are differentiable, e.g. for
+        hypergradients; `"retry"` runs a `lax.while_loop`, which reverse-mode differentiation does not support.)
       underflow_stats: add gradient underflow and headroom statistics to the metrics (`grad_stats.underflow_stats`).
 
     Returns:

@@ -460,10 +460,12 @@ def _open_workdir(cfg: TrainConfig) -> tuple[Path, Checkpointer]:
         records = read_metrics(workdir / "metrics.jsonl", strict=True)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if not ckpt.steps() and (records or (workdir / "summary.json").exists()):
-        raise ConfigError(f"--workdir {workdir} holds a previous run's metrics (steps up to "
-                          f"{records[-1]['step'] if records else '?'}) but no checkpoint to resume from; pass a new "
-                          "directory, or delete this one to start over")
+    # No checkpoint: a run killed before its first save starts over (its records are recomputed, bitwise, from the
+    # same seed); records past a save that should exist, or a finished run's summary, mean checkpoints were removed.
+    last = records[-1]["step"] if records else 0
+    if not ckpt.steps() and (last >= cfg.checkpoint_every or (workdir / "summary.json").exists()):
+        raise ConfigError(f"--workdir {workdir} holds a previous run's metrics (steps up to {last}) but no checkpoint "
+                          "to resume from; pass a new directory, or delete this one to start over")
     workdir.mkdir(parents=True, exist_ok=True)
     return workdir, ckpt
 
@@ -477,6 +479,8 @@ def _finished_summary(workdir: Path, cfg: TrainConfig, step: int) -> dict | None
         summary = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None  # a damaged summary: rewritten by the (empty) training loop
+    if not isinstance(summary, dict) or summary.get("steps") != step:
+        return None  # written before the last checkpoint (killed in between): rewritten likewise
     _say(f"{workdir} already holds step {step} (--steps {cfg.steps}): nothing to train; raise --steps to continue")
     _say(_summary_line(summary))
     return summary

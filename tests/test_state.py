@@ -78,6 +78,10 @@ def test_train_state_round_trips_through_flax_serialization():
         assert jax.tree.structure(restored) == jax.tree.structure(state)
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
             assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        abstract = jax.eval_shape(lambda t=target: t)  # an abstract target works too
+        restored = flax.serialization.from_bytes(abstract, flax.serialization.to_bytes(state))
+        assert [np.asarray(a).tobytes() for a in jax.tree.leaves(restored)] == [
+            np.asarray(b).tobytes() for b in jax.tree.leaves(state)]
     as_dict = flax.serialization.to_state_dict(state)["loss_scale"]
     assert sorted(as_dict) == ["growth_counter", "loss_scale", "overflow_counter"]
     assert int(as_dict["overflow_counter"]) == 1

@@ -183,6 +183,13 @@ def test_previous_metrics_without_checkpoint_are_refused_untouched(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert "no checkpoint to resume from" in err and "steps up to 4" in err and "\n" not in err
     assert snapshot() == before
+    # Killed before its first checkpoint (no summary, records short of --checkpoint-every): it starts over and
+    # recomputes the very same records.
+    old = read_metrics(workdir / "metrics.jsonl")
+    (workdir / "summary.json").unlink()
+    assert train_lm.main([*args, "--steps", "4", "--workdir", str(workdir)]) == 0
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]
+    assert strip(read_metrics(workdir / "metrics.jsonl")) == strip(old)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     for text, expected in (("not json\nat all\n", "line 1 is not JSON"), ('{"loss": 1}\n', 'no integer "step"')):
@@ -206,6 +213,12 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, capsys):
         out = capsys.readouterr().out
         assert f"already holds step 4 (--steps {steps}): nothing to train" in out and "summary: " in out
         assert {p: p.read_bytes() for p in files} == before
+    # A summary older than the checkpoint (killed between the last save and the summary) is rewritten.
+    summary_path = tmp_path / "run" / "summary.json"
+    summary_path.write_text(json.dumps({**json.loads(summary_path.read_text()), "steps": 3}))
+    assert train_lm.main([*args, "--steps", "4"]) == 0
+    assert "nothing to train" not in capsys.readouterr().out
+    assert json.loads(summary_path.read_text())["steps"] == 4
 
 
 def test_half_precision_master_weights_train_from_the_cli(tmp_path, capsys):
