@@ -389,7 +389,8 @@ class TransformerLM(nn.Module):
         Args:
             tokens: ``i32[batch, seq]`` token ids in ``[0, vocab_size)`` with
                 ``seq <= config.seq_len``. (Out-of-range ids cannot be checked
-                under ``jit``; ``jnp.take`` fills their embedding with NaN.)
+                under ``jit``; their embedding, negative ids' included, is NaN,
+                so the logits and loss are NaN rather than silently wrong.)
             deterministic: When False and ``config.dropout > 0``, applies
                 dropout using the ``'dropout'`` rng stream.
 
@@ -419,7 +420,8 @@ class TransformerLM(nn.Module):
         wte = nn.Embed(cfg.vocab_size, cfg.width, embedding_init=embed_init, name="wte")
         wpe = nn.Embed(cfg.seq_len, cfg.width, embedding_init=embed_init, name="wpe")
         # nn.Embed with dtype=None returns rows in the embedding's (= params') dtype.
-        tok_emb = wte(tokens)  # [batch, seq, width]
+        # Negative ids would wrap around (Python indexing); send them past the end, where jnp.take fills NaN.
+        tok_emb = wte(jnp.where(tokens < 0, cfg.vocab_size, tokens))  # [batch, seq, width]
         pos_emb = wpe(jnp.arange(seq, dtype=jnp.int32))  # [seq, width]
         x = tok_emb + pos_emb[None, :, :]  # [batch, seq, width]
         x = nn.Dropout(rate=cfg.dropout)(x, deterministic=deterministic)

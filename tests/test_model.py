@@ -367,3 +367,14 @@ def test_generate_matches_a_manual_cropped_greedy_loop(tiny):
         assert np.all(top2[:, 1] - top2[:, 0] > 1e-4), "near-tie: pick another seed"
         seq = np.concatenate([seq, logits.argmax(-1)[:, None].astype(np.int32)], axis=1)
     np.testing.assert_array_equal(out, seq)
+
+
+@pytest.mark.parametrize("bad_id", [-1, -7, 10_000])
+def test_out_of_range_token_ids_give_nan_not_another_token(tiny, bad_id):
+    """Ids outside [0, vocab) cannot raise under jit; they must be loud (NaN), never silently another token."""
+    model, variables = tiny
+    tokens = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+    good = jax.jit(model.apply)(variables, tokens)
+    bad = jax.jit(model.apply)(variables, tokens.at[0, 2].set(bad_id))
+    assert bool(jnp.all(jnp.isfinite(good)))
+    assert bool(jnp.all(jnp.isnan(bad[0, 2:])))  # (earlier rows too: 0 x NaN in the masked probs @ values)
