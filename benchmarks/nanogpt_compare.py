@@ -50,7 +50,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxamp.cli import check_output  # noqa: E402
+from jaxamp.cli import check_output, check_sizes  # noqa: E402
 from jaxamp.data import DataError, batch_at, eval_batches  # noqa: E402
 from jaxamp.model import count_params  # noqa: E402
 from jaxamp.train import ConfigError, TrainConfig, build  # noqa: E402
@@ -773,14 +773,9 @@ def parse_args(argv=None):
                    help="do not score the reference run's final checkpoint")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown report (also printed)")
     args = p.parse_args(argv)
-    for name in ("layers", "heads", "width", "seq_len", "batch_size", "rounds", "steps", "warmup", "train_threads",
-                 "eval_interval", "eval_iters", "estimator_draws"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.train_steps < 0 or args.check_steps < 0 or args.pause < 0:
-        p.error("--train-steps, --check-steps and --pause must be >= 0")
-    if args.width % args.heads:
-        p.error(f"--heads ({args.heads}) must divide --width ({args.width})")
+    check_sizes(p, args, ("layers", "heads", "width", "seq_len", "batch_size", "rounds", "steps", "warmup",
+                          "train_threads", "eval_interval", "eval_iters", "estimator_draws"),
+                ("train_steps", "check_steps", "pause"))
     if args.data is not None and not Path(args.data).is_file():
         p.error(f"--data {args.data} is not a file")
     check_output(p, "--out", args.out)

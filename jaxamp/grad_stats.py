@@ -63,5 +63,4 @@ def worst_leaves(leaf_values: PyTree, k: int = 3, *, largest: bool = True) -> li
     """Host side: the `k` leaves with the largest (or smallest) value, as `(path, value)` pairs; NaN values first."""
     flat = [(jax.tree_util.keystr(p), float(np.asarray(v))) for p, v in jax.tree_util.tree_flatten_with_path(
         leaf_values)[0]]
-    sign = -1.0 if largest else 1.0
-    return sorted(flat, key=lambda pv: (not math.isnan(pv[1]), sign * pv[1] if not math.isnan(pv[1]) else 0.0))[:k]
+    return sorted(flat, key=lambda pv: (not math.isnan(pv[1]), -pv[1] if largest else pv[1]))[:k]
