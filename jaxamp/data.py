@@ -35,6 +35,10 @@ __all__ = [
 
 # Directory names skipped anywhere under the stdlib when building the default corpus.
 _SKIPPED_DIRS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3"})
+# Generated at install time, so their text depends on the install prefix and build flags, not only on the version:
+# the build's sysconfig data (`_sysconfigdata_*.py`) and the `config-X.Y-*` directory (python-config.py).
+_GENERATED_PREFIXES = ("_sysconfigdata",)
+_GENERATED_DIR_PREFIX = "config-"
 # Added to the training seed to seed evaluation batches, so they never coincide with training ones.
 _EVAL_SEED_OFFSET = 10**6
 
@@ -48,12 +52,14 @@ def default_corpus_text(max_bytes: int = 2_000_000) -> str:
 
     Files are taken from ``sysconfig.get_paths()["stdlib"]``, skipping any
     directory named ``site-packages``, ``test``, ``tests``, ``idlelib`` or
-    ``lib2to3``, in the order of their sorted relative POSIX paths. Each is
+    ``lib2to3``, and the files generated at install time (``_sysconfigdata*.py``
+    and the ``config-*`` directory, whose text depends on the install prefix),
+    in the order of their sorted relative POSIX paths. Each is
     read as UTF-8 (files that fail to decode are skipped; no newline
     translation) and they are concatenated until ``max_bytes`` characters are
     collected; the result is truncated to exactly ``max_bytes`` characters if
-    longer. The text is deterministic for a given Python installation (it
-    differs between Python versions).
+    longer. The text is the same for every installation of one Python version
+    and build (it differs between Python versions).
 
     Args:
         max_bytes: Maximum length of the corpus in characters (for the
@@ -71,9 +77,10 @@ def default_corpus_text(max_bytes: int = 2_000_000) -> str:
     root = Path(sysconfig.get_paths()["stdlib"])
     rel_paths: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS]
+        dirnames[:] = [d for d in dirnames if d not in _SKIPPED_DIRS and not d.startswith(_GENERATED_DIR_PREFIX)]
         rel_dir = Path(dirpath).relative_to(root)
-        rel_paths.extend((rel_dir / f).as_posix() for f in filenames if f.endswith(".py"))
+        rel_paths.extend((rel_dir / f).as_posix() for f in filenames
+                         if f.endswith(".py") and not f.startswith(_GENERATED_PREFIXES))
     rel_paths.sort()
     parts: list[str] = []
     total = 0  # characters collected so far

@@ -32,19 +32,22 @@ def underflow_stats(scaled_grads: PyTree) -> dict:
     def leaf(g):
         g = jnp.asarray(g)
         big = jnp.log2(jnp.asarray(jnp.finfo(g.dtype).max, jnp.float32))
-        max_abs = jnp.max(jnp.abs(g)).astype(jnp.float32)
+        max_abs = jnp.max(jnp.abs(g), initial=0).astype(jnp.float32)  # 0 for a zero-size leaf
         return {"zeros": jnp.sum(g == 0).astype(jnp.float32), "size": jnp.asarray(g.size, jnp.float32),
                 "headroom": big - jnp.log2(max_abs)}
 
     per_leaf = jax.tree.map(leaf, scaled_grads)
     is_stats = lambda x: isinstance(x, dict) and set(x) == {"zeros", "size", "headroom"}
     leaves = jax.tree.leaves(per_leaf, is_leaf=is_stats)
+    if not leaves:
+        raise ValueError("underflow_stats got a pytree with no array leaves; pass the gradients of the params")
     zeros = sum(s["zeros"] for s in leaves)
     size = sum(s["size"] for s in leaves)
     return {
-        "zero_fraction": zeros / size,
+        "zero_fraction": zeros / jnp.maximum(size, 1),
         "headroom_log2": jnp.min(jnp.stack([s["headroom"] for s in leaves])),
-        "leaf_zero_fraction": jax.tree.map(lambda s: s["zeros"] / s["size"], per_leaf, is_leaf=is_stats),
+        "leaf_zero_fraction": jax.tree.map(lambda s: s["zeros"] / jnp.maximum(s["size"], 1), per_leaf,
+                                           is_leaf=is_stats),
         "leaf_headroom_log2": jax.tree.map(lambda s: s["headroom"], per_leaf, is_leaf=is_stats),
     }
 

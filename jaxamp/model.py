@@ -449,8 +449,11 @@ def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def count_params(params: Any) -> int:
-    """Total number of scalar parameters in a pytree (e.g. ``variables`` or ``variables['params']``)."""
-    return int(sum(int(leaf.size) for leaf in jax.tree.leaves(params)))
+    """Total number of scalar parameters in a pytree (e.g. ``variables`` or ``variables['params']``).
+
+    Leaves may be arrays, `jax.ShapeDtypeStruct`s (from `jax.eval_shape`) or Python scalars (one each).
+    """
+    return sum(math.prod(jnp.shape(leaf)) for leaf in jax.tree.leaves(params))
 
 
 @functools.partial(jax.jit, static_argnames=("model", "num_tokens"))

@@ -78,12 +78,25 @@ def needs_loss_scaling(policy: Policy) -> bool:
     return jnp.dtype(policy.compute_dtype) == jnp.dtype(jnp.float16)
 
 
+def _capability(device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability as `(major, minor)`, or None where the device does not say."""
+    try:
+        major, _, minor = str(getattr(device, "compute_capability", "")).partition(".")
+        return int(major), int(minor or 0)
+    except ValueError:
+        return None
+
+
 def auto_precision(device: jax.Device | None = None) -> tuple[str, str]:
     """Picks a preset for `device` (default: the first device) and says why.
 
-    bf16 where half precision is fast and needs no loss scale (GPUs of compute capability >= 8.0, TPUs); fp16 with
-    dynamic loss scaling on older GPUs (tensor cores since 7.0 run float16 only); fp32 elsewhere (CPUs: XLA:CPU
-    computes half-precision dots in float32, so there is nothing to gain).
+    - bf16 where half precision is fast and needs no loss scale: GPUs of compute capability >= 8.0 (Ampere and
+      newer), TPUs.
+    - fp16 with dynamic loss scaling where only float16 is fast: compute capability 7.x (Volta and Turing tensor
+      cores), and 6.0, 6.2 and 5.3 (P100 and Jetson chips: float16 at twice the float32 rate).
+    - fp32 elsewhere: other Pascal and older GPUs (6.1's float16 runs at 1/64 of the float32 rate), GPUs that do not
+      report a compute capability (e.g. ROCm; choose `--precision` yourself), and CPUs (XLA:CPU computes
+      half-precision dots in float32, so there is nothing to gain).
 
     Returns:
       `(preset name, reason)`, e.g. `("fp32", "cpu: no fast half-precision matmuls")`.
@@ -92,12 +105,13 @@ def auto_precision(device: jax.Device | None = None) -> tuple[str, str]:
     if device.platform == "tpu":
         return "bf16", f"{device.device_kind}: TPUs compute in bfloat16 natively"
     if device.platform == "gpu":
-        capability = getattr(device, "compute_capability", None)
-        try:
-            major = float(capability) if capability is not None else 0.0
-        except ValueError:
-            major = 0.0
-        if major >= 8.0:
-            return "bf16", f"{device.device_kind} (compute capability {capability}): bfloat16 tensor cores"
-        return "fp16", f"{device.device_kind} (compute capability {capability}): float16 only, dynamic loss scale"
+        cc = _capability(device)
+        where = f"{device.device_kind} (compute capability {'.'.join(map(str, cc)) if cc else 'unknown'})"
+        if cc is None:
+            return "fp32", f"{where}: choose --precision bf16 or fp16 yourself if it has fast half precision"
+        if cc >= (8, 0):
+            return "bf16", f"{where}: bfloat16 tensor cores"
+        if cc >= (7, 0) or cc in ((6, 0), (6, 2), (5, 3)):
+            return "fp16", f"{where}: fast float16 only, dynamic loss scale"
+        return "fp32", f"{where}: no fast half-precision arithmetic"
     return "fp32", f"{device.platform}: no fast half-precision matmuls"

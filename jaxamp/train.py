@@ -110,8 +110,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--heads ({cfg.heads}) must divide --width ({cfg.width})")
     if cfg.decay_steps is not None and cfg.decay_steps <= 0:
         raise ConfigError(f"--decay-steps must be > 0, got {cfg.decay_steps}")
-    if cfg.warmup_steps < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
-        raise ConfigError("--warmup-steps, --weight-decay and --grad-clip must be >= 0")
+    for name, value in (("warmup_steps", cfg.warmup_steps), ("weight_decay", cfg.weight_decay),
+                        ("grad_clip", cfg.grad_clip)):
+        if not value >= 0:  # NaN fails too
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     if cfg.min_lr is not None and not (math.isfinite(cfg.min_lr) and 0 <= cfg.min_lr <= cfg.lr):
         raise ConfigError(f"--min-lr must lie in [0, --lr] = [0, {cfg.lr}], got {cfg.min_lr}")
     for name, beta in (("beta1", cfg.beta1), ("beta2", cfg.beta2)):

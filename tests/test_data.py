@@ -174,6 +174,20 @@ def test_default_corpus_is_deterministic_and_usable():
     assert load_text(None) == a
 
 
+def test_default_corpus_skips_files_generated_at_install(tmp_path, monkeypatch):
+    import sysconfig
+
+    (tmp_path / "config-3.11-x86_64-linux-gnu").mkdir()
+    (tmp_path / "config-3.11-x86_64-linux-gnu" / "python-config.py").write_text("prefix = '/opt/py'\n")
+    (tmp_path / "_sysconfigdata__linux_x86_64-linux-gnu.py").write_text("build_time_vars = {'prefix': '/opt/py'}\n")
+    (tmp_path / "b.py").write_text("import os\n")
+    (tmp_path / "a.py").write_text("def f():\n    pass\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("assert True\n")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    assert default_corpus_text() == "def f():\n    pass\nimport os\n"  # sorted by path; nothing prefix-dependent
+
+
 def test_load_text_reads_utf8(tmp_path):
     f = tmp_path / "t.txt"
     f.write_bytes("naïve\r\ntext\n".encode("utf-8"))

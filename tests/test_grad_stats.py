@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxamp.grad_stats import nonfinite_paths, underflow_stats, worst_leaves
 
@@ -16,6 +17,15 @@ def test_underflow_stats_on_constructed_gradient():
     np.testing.assert_allclose(float(stats["headroom_log2"]), np.log2(65504 / 4), rtol=1e-6)
     inf = underflow_stats({"x": jnp.array([jnp.inf], jnp.float16)})
     assert float(inf["headroom_log2"]) == -np.inf
+
+
+def test_underflow_stats_edge_trees():
+    stats = underflow_stats({"empty": jnp.zeros((0, 4), jnp.float16), "b": jnp.array([0.0, 1.0], jnp.float16)})
+    assert float(stats["zero_fraction"]) == 0.5  # the zero-size leaf adds no elements
+    assert float(stats["leaf_zero_fraction"]["empty"]) == 0.0 and float(stats["leaf_headroom_log2"]["empty"]) == np.inf
+    np.testing.assert_allclose(float(stats["headroom_log2"]), np.log2(65504), rtol=1e-6)
+    with pytest.raises(ValueError, match="no array leaves"):
+        underflow_stats({"a": {}, "b": None})
 
 
 def test_nonfinite_paths_and_worst_leaves():

@@ -310,6 +310,8 @@ def test_cross_entropy_loss():
 def test_count_params():
     assert count_params({"a": jnp.zeros((3, 4)), "b": [jnp.zeros(5), jnp.zeros((2, 2, 2))]}) == 25
     assert count_params({}) == 0
+    mixed = {"scalar": 1.0, "shape": jax.ShapeDtypeStruct((2, 5), jnp.float32), "empty": jnp.zeros((0, 3))}
+    assert count_params(mixed) == 11 and isinstance(count_params(mixed), int)
 
 
 TINY = TransformerConfig(vocab_size=11, seq_len=8, num_layers=1, num_heads=2, width=16)

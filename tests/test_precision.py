@@ -68,3 +68,8 @@ def test_auto_precision_on_accelerators():
     tpu = SimpleNamespace(platform="tpu", device_kind="TPU v5e")
     assert auto_precision(h100)[0] == "bf16" and auto_precision(tpu)[0] == "bf16"
     assert auto_precision(v100)[0] == "fp16"
+    gpu = lambda cc, kind="GPU": SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=cc)
+    assert [auto_precision(gpu(cc))[0] for cc in ("12.0", "8.6", "7.5", "6.0", "6.1", "5.2")] == [
+        "bf16", "bf16", "fp16", "fp16", "fp32", "fp32"]  # 6.1 (GTX 10x0): float16 at 1/64 rate
+    name, reason = auto_precision(SimpleNamespace(platform="gpu", device_kind="AMD MI300X"))  # no capability
+    assert name == "fp32" and "unknown" in reason and "--precision" in reason

@@ -133,6 +133,8 @@ def _bad_inputs(tmp_path):
         (["--min-lr", "1"], "--min-lr"),
         (["--beta1", "1.0"], "--beta1"),
         (["--beta2", "1.5"], "--beta2"),
+        (["--weight-decay", "nan"], "--weight-decay must be >= 0, got nan"),
+        (["--grad-clip", "-1"], "--grad-clip"),
     ]
 
 
