@@ -57,6 +57,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 
 from jaxamp.precision import policy_name
 from jaxamp.state import TrainState
@@ -88,6 +89,22 @@ class CheckpointMismatchError(CheckpointError):
 
 class _Unusable(Exception):
     """Internal: this step cannot be restored; the message is the reason."""
+
+
+def _check_index(item_dir: Path) -> None:
+    """Lists the keys of an OCDBT array database (its manifest and b-tree nodes), or raises _Unusable.
+
+    Run before the concurrent array reads: when the index itself is damaged, each of those reads fails and
+    tensorstore prints a "RuntimeError: Event loop is closed" traceback for every one still pending after orbax
+    closes its event loop (hundreds of lines for one bad file). This one read fails quietly instead.
+    """
+    if not (item_dir / "manifest.ocdbt").exists():
+        return  # not an OCDBT database (orbax wrote another format): orbax's restore checks it
+    try:
+        store = ts.KvStore.open({"driver": "ocdbt", "base": item_dir.resolve().as_uri() + "/"}).result()
+        store.list().result()
+    except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError with a DATA_LOSS status and others
+        raise _Unusable(f"its array index is unreadable: {_short(err)}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -523,7 +540,8 @@ class Checkpointer:
                 raise _Unusable("config JSON does not match its sha256")
             # 2. Settings and structure: a mismatch means the user changed settings, so it is raised, not skipped.
             self._check_match(n, config, record, target, expected_config, match_keys)
-            # 3. The arrays, into the abstract target.
+            # 3. The arrays, into the abstract target (after one cheap read of the array database's index).
+            _check_index(step_dir / _ITEMS[0])
             try:
                 state = manager.restore(n, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
             except Exception as err:  # noqa: BLE001
