@@ -5,7 +5,7 @@ Three jit-able pytrees with jmp's interface (`loss_scale`, `scale`, `unscale`, `
 - `NoOpLossScale`: scale 1, never changes (float32 and bfloat16 training).
 - `StaticLossScale`: a fixed scale.
 - `DynamicLossScale`: backs off on overflow, grows after a run of finite steps (torch.amp's GradScaler, with
-  Megatron/DeepSpeed-style hysteresis and both bounds).
+  hysteresis over consecutive overflows and both bounds).
 
 Unlike jmp 0.0.4's `DynamicLossScale`, every field survives `jax.jit`, `jax.tree.map`, `jax.eval_shape` and an orbax
 save/restore: the state that changes per step (scale, counters) is array leaves with explicit dtypes; the
@@ -187,8 +187,13 @@ class DynamicLossScale(LossScale):
     """A loss scale that backs off on overflow and grows after a run of finite steps.
 
     Semantics follow torch.amp's `GradScaler` (growth on the `growth_interval`-th consecutive finite step, as jmp too),
-    with the hysteresis of Megatron-LM/DeepSpeed and a floor and a ceiling so the scale is never 0, subnormal, inf or
-    NaN. The algorithm, applied by `adjust(grads_finite)` once per optimizer step:
+    with hysteresis over *consecutive* overflows (DeepSpeed's `consecutive_hysteresis=True`; Megatron-LM and
+    DeepSpeed's default instead restore their hysteresis budget only when the scale grows) and a floor and a ceiling
+    so the scale is never 0, subnormal, inf or NaN. With `hysteresis` > 1 a finite step forgives earlier overflows,
+    so overflows on every other step never back off (each one is skipped): keep the default 1 (torch.amp, jmp)
+    unless overflows come as isolated spikes. With the default floor `min_loss_scale=1.0`, a loss whose unscaled float16 gradients overflow (e.g. a sum over a large batch) is skipped at
+    every step (`grads_finite` stays False); lower the floor or average the loss. The algorithm, applied by
+    `adjust(grads_finite)` once per optimizer step:
 
         if grads_finite:
             overflow_counter = 0
@@ -258,8 +263,15 @@ class DynamicLossScale(LossScale):
         return self._loss_scale
 
     def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
-        """Returns the next state (see the class docstring); `grads_finite` is a `bool[]`."""
+        """Returns the next state (see the class docstring); `grads_finite` is a `bool[]`.
+
+        Raises:
+          ValueError: `grads_finite` is not a scalar (use `all_finite(grads)`, not `finite_leaves`).
+        """
         finite = jnp.asarray(grads_finite, jnp.bool_)
+        if finite.shape != ():
+            raise ValueError(f"grads_finite must be a bool[] scalar such as all_finite(grads), got shape "
+                             f"{finite.shape}")
         growth_counter = jnp.where(finite, self.growth_counter + 1, 0)
         grow = growth_counter >= self.growth_interval
         overflow_counter = jnp.where(finite, 0, jnp.minimum(self.overflow_counter + 1, self.hysteresis))

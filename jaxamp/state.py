@@ -30,6 +30,34 @@ def _raw_key(rng: jax.Array) -> jax.Array:
     return rng
 
 
+def _float_array(path, leaf) -> jax.Array:
+    """A params leaf as a float array (Python floats become float32 arrays, not weakly typed); names a bad leaf."""
+    try:
+        dtype = jnp.result_type(leaf)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"params{jax.tree_util.keystr(path)} is {dtype or type(leaf).__name__}: master weights "
+                         "must be float arrays (keep integer state such as counters outside params)")
+    return leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf, dtype=jnp.dtype(dtype))
+
+
+def _unalias(tree: PyTree) -> PyTree:
+    """Copies every array that appears a second time in `tree` (tied initial weights, `LookaheadParams.init_synced`,
+    an optimizer state that holds the params themselves): a donated state must not hold one buffer twice."""
+    seen: set[int] = set()
+
+    def once(x):
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return x
+        if id(x) in seen:
+            return jnp.copy(x)
+        seen.add(id(x))
+        return x
+
+    return jax.tree.map(once, tree)
+
+
 @flax.struct.dataclass
 class TrainState:
     """The state of a mixed-precision run: master weights, optimizer state, loss scale, step and RNG.
@@ -71,7 +99,9 @@ class TrainState:
 
         Leaves already in the param dtype are not copied: once a step with the state donated has run (the usual
         `jax.jit(train_step, donate_argnums=0)`), the arrays passed as `params` are deleted. Pass
-        `jax.tree.map(jnp.copy, params)` to keep them.
+        `jax.tree.map(jnp.copy, params)` to keep them. An array that appears twice in the params or the optimizer
+        state (tied initial weights) is copied, since one buffer cannot be donated twice; Python float leaves become
+        float32 arrays.
 
         Args:
           params: the initial weights, every leaf a float array (any float dtype).
@@ -83,7 +113,8 @@ class TrainState:
 
         Raises:
           ValueError: `rng` is not a threefry PRNG key, `loss_scale` is not a jaxamp loss scale, `policy` is neither
-            a `jmp.Policy` nor a known spec, or a `params` leaf is not a float array (names the leaf).
+            a `jmp.Policy` nor a known spec, `tx` is not an optax transformation, or a `params` leaf is not a float
+            array or scalar (names the leaf).
         """
         if not isinstance(loss_scale, LossScale):
             raise ValueError(
@@ -93,13 +124,13 @@ class TrainState:
             policy = get_policy(policy)
         if not isinstance(policy, jmp.Policy):
             raise ValueError(f"policy must be a jmp.Policy or a spec such as 'fp16', got {type(policy).__name__}")
-        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-            if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-                raise ValueError(f"params{jax.tree_util.keystr(path)} is {jnp.result_type(leaf)}: master weights "
-                                 "must be float arrays (keep integer state such as counters outside params)")
-        params = policy.cast_to_param(params)
+        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+            raise ValueError(f"tx must be an optax GradientTransformation, e.g. optax.adamw(1e-3), got "
+                             f"{type(tx).__name__}")
+        params = policy.cast_to_param(jax.tree_util.tree_map_with_path(_float_array, params))
         with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and i32 counts (all float32 here)
             opt_state = tx.init(params)
+        params, opt_state = _unalias((params, opt_state))
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,

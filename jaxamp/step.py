@@ -18,6 +18,10 @@ LossFn = Callable[[PyTree, PyTree, Any], Any]
 
 def _split_loss(out) -> tuple[jax.Array, Any]:
     """`loss_fn` returns a scalar loss or `(loss, aux)`; returns `(f32[] loss, aux or None)`."""
+    if isinstance(out, tuple) and len(out) != 2 or isinstance(out, (list, dict)) or out is None:
+        what = f"a {len(out)}-tuple" if isinstance(out, tuple) else type(out).__name__
+        raise ValueError(f"loss_fn must return a scalar loss or a (loss, aux) tuple, got {what}; put everything "
+                         "besides the loss into aux, e.g. return loss, {'accuracy': acc}")
     loss, aux = out if isinstance(out, tuple) else (out, None)
     loss = jnp.asarray(loss)
     if loss.shape != ():
@@ -81,10 +85,20 @@ def _micro_grads(loss_fn, loss_scale, params_c, batch, rng):
 
 
 def _split_micro(batch: PyTree, accum_steps: int) -> PyTree:
+    """Every leaf `[batch, ...]` -> `[accum_steps, batch // accum_steps, ...]`; every leaf must share `batch`."""
+    shapes = {jax.tree_util.keystr(path): jnp.shape(x) for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]}
+    if len({shape[:1] for shape in shapes.values()}) > 1:
+        listed = ", ".join(f"batch{name}: {shape}" for name, shape in list(shapes.items())[:6])
+        raise ValueError(f"accum_steps={accum_steps} splits every batch leaf along its leading (batch) axis, so every "
+                         f"leaf needs the same leading size; got {listed}. Keep per-step constants such as class "
+                         "weights out of the batch (e.g. close over them in loss_fn)")
+    for name, shape in shapes.items():
+        if not shape or shape[0] % accum_steps:
+            raise ValueError(f"accum_steps={accum_steps} must divide the batch's leading axis, but batch{name} has "
+                             f"shape {shape}")
+
     def split(x):
         x = jnp.asarray(x)
-        if x.ndim == 0 or x.shape[0] % accum_steps:
-            raise ValueError(f"accum_steps={accum_steps} must divide the batch's leading axis, got shape {x.shape}")
         # Strided: micro-batch i = rows i, i + accum, ...; so under a batch sharded by rows every device holds its
         # share of every micro-batch and no rows move between devices.
         x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:])  # [micro_batch, accum, ...]
@@ -141,9 +155,10 @@ def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries):
     first, check = attempt(state.loss_scale)
 
     def cond(carry):
-        loss_scale, _, check, retries = carry
+        loss_scale, g, check, retries = carry
         progress = loss_scale.backoff().loss_scale < loss_scale.loss_scale
-        return (~check.finite) & (retries < max_retries) & progress
+        # A non-finite loss comes from the forward pass or the inputs, before the scale: no scale can fix it.
+        return (~check.finite) & jnp.isfinite(g.loss) & (retries < max_retries) & progress
 
     def body(carry):
         loss_scale, _, _, retries = carry
@@ -166,6 +181,9 @@ def train_step(
 ) -> tuple[TrainState, dict]:
     """One mixed-precision optimizer step, pure: `jax.jit(train_step, static_argnames="loss_fn", donate_argnums=0)`.
 
+    The keyword options are static too: under `jax.jit` name those you pass, e.g.
+    `jax.jit(train_step, static_argnames=("loss_fn", "accum_steps", "on_overflow"), donate_argnums=0)`.
+
     Order of operations (Micikevicius et al., 2018; torch.amp's autocast + GradScaler; jmp):
 
     1. cast the master params to the policy's compute dtype (`policy.cast_to_compute`);
@@ -176,7 +194,8 @@ def train_step(
        float32 gradients are averaged;
     6. one finite check over every gradient leaf (`all_finite`), once per optimizer step; the same pass over the
        gradients also sums their squares for the `grad_norm` metric;
-    7. optax update on the unscaled gradients, so clipping and weight decay inside `tx` never see the scale;
+    7. optax update on the unscaled gradients, so clipping and weight decay inside `tx` never see the scale (the
+       unscaled loss goes along as `value=`, for transformations that take it, e.g. `reduce_on_plateau`);
     8. apply, then select new or old `params` and `opt_state` by the finite flag: on overflow both come back bitwise
        unchanged (optax's count and any LR schedule do not advance);
     9. adjust the loss scale once (backoff or growth); advance `step` (also on a skipped step).
@@ -184,18 +203,21 @@ def train_step(
     Args:
       state: the `TrainState`. Donating it is safe.
       batch: any pytree; passed to `loss_fn` as is (cast float inputs there with `policy.cast_to_compute` if wanted).
-        With `accum_steps` > 1 every leaf's leading axis is split into `accum_steps` micro-batches.
+        With `accum_steps` > 1 every leaf's leading axis is split into `accum_steps` micro-batches, so every leaf
+        needs the same leading (batch) size.
       loss_fn: `loss_fn(params, batch, rng) -> loss | (loss, aux)`: `params` already in the compute dtype, `rng` a
         `u32[2]` key for this step, `jax.random.fold_in(state.rng, state.step)` (folded again with the micro-batch
         index under accumulation). Static under jit (hashable).
       accum_steps: micro-batches per optimizer step (gradient accumulation in float32). Static.
       on_overflow: `"skip"` (torch.amp, jmp: drop the update, back the scale off) or `"retry"`: back the scale off
         (`loss_scale.backoff()`, ignoring hysteresis) and recompute the same batch inside this call, up to
-        `max_retries` times, so no batch is lost to a too-high scale; it falls back to a skip when retries run out
-        or the scale cannot go lower. Static.
+        `max_retries` times, so no batch is lost to a too-high scale; it falls back to a skip when retries run out,
+        the scale cannot go lower, or the loss itself is not finite (a forward-pass or input problem that no scale
+        fixes: skipped at once, one backoff). Static.
       max_retries: retries per step for `"retry"`. Static. (`"skip"` steps are differentiable, e.g. for
         hypergradients; `"retry"` runs a `lax.while_loop`, which reverse-mode differentiation does not support.)
       underflow_stats: add gradient underflow and headroom statistics to the metrics (`grad_stats.underflow_stats`).
+        Static.
 
     Returns:
       `(new_state, metrics)`; metrics hold `loss` (f32[], unscaled), `loss_finite` (bool[]: False points at the
@@ -205,9 +227,15 @@ def train_step(
       which leaves overflowed), `retries` (i32[]), `aux` when `loss_fn` returns one, and `underflow` when asked.
 
     Raises:
-      ValueError: `loss_fn` returned a non-scalar or non-float loss, `accum_steps` does not divide the batch, or
-        a bad `on_overflow`/`accum_steps`/`max_retries`.
+      ValueError: `loss_fn` returned something other than a float scalar or a `(loss, aux)` pair, the batch leaves
+        differ in leading size or `accum_steps` does not divide it, a bad `on_overflow`/`accum_steps`/`max_retries`,
+        or a traced (non-static) option under `jax.jit`.
     """
+    for name, value in (("accum_steps", accum_steps), ("max_retries", max_retries),
+                        ("underflow_stats", underflow_stats)):
+        if isinstance(value, jax.core.Tracer):
+            raise ValueError(f"{name} must be a static Python value: under jax.jit name it in static_argnames, e.g. "
+                             f"jax.jit(train_step, static_argnames=('loss_fn', '{name}'), donate_argnums=0)")
     if on_overflow not in ("skip", "retry"):
         raise ValueError(f'on_overflow must be "skip" or "retry", got {on_overflow!r}')
     for name, value in (("accum_steps", accum_steps), ("max_retries", max_retries)):
@@ -224,7 +252,10 @@ def train_step(
         check = _check_grads(g.grads)  # the one finite check, and the norm metric, in one pass over the gradients
     grads_finite = check.finite
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with i32 counts; all float32 here
-        updates, new_opt_state = state.tx.update(g.grads, state.opt_state, state.params)
+        # `value`: the unscaled float32 loss, for transformations that use it (optax.contrib.reduce_on_plateau,
+        # optax.polyak_sgd); plain GradientTransformations ignore it (`with_extra_args_support`).
+        updates, new_opt_state = optax.with_extra_args_support(state.tx).update(
+            g.grads, state.opt_state, state.params, value=g.loss)
         new_params = optax.apply_updates(state.params, updates)  # cast back to the params' dtypes
     # Master weights in float16/bfloat16 (a jmp string such as "float16"): the float32 gradients promote optax's
     # moments; every leaf keeps the dtype it has in the state, so state dtypes never drift.

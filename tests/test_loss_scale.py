@@ -146,3 +146,8 @@ def test_all_finite():
         assert not bool(jax.jit(all_finite)(tree))
     flags = finite_leaves({**ok, "b": jnp.array([jnp.inf], jnp.float32)})
     assert {k: bool(v) for k, v in flags.items()} == {"a": True, "i": True, "b": False}
+
+
+def test_adjust_refuses_a_vector_of_flags():
+    with pytest.raises(ValueError, match=r"grads_finite must be a bool\[\] scalar .* got shape \(2,\)"):
+        DynamicLossScale(2.0**15).adjust(jnp.array([True, False]))

@@ -63,6 +63,55 @@ def test_policy_spec_string_and_bad_policy_params_and_key():
         make(params={**_params(), "n": jnp.arange(3)})
     with pytest.raises(ValueError, match="threefry2x32 PRNG key .* got a rbg key"):
         make(rng=jax.random.key(0, impl="rbg"))
+    with pytest.raises(ValueError, match=r"params\['name'\] is str: master weights must be float"):
+        make(params={**_params(), "name": "dense"})
+    with pytest.raises(ValueError, match="tx must be an optax GradientTransformation.*got NoneType"):
+        make(tx=None)
+
+
+def test_python_float_leaves_become_float32_arrays():
+    """A Python float leaf would stay weakly typed: the state's types would change after step 1 (a second trace)."""
+    from jaxamp import train_step
+
+    traces = []
+
+    def loss_fn(p, batch, rng):
+        traces.append(1)
+        return jnp.mean((batch.astype(jnp.float16) @ p["w"] * p["t"]).astype(jnp.float32) ** 2)
+
+    state = TrainState.create(params={"w": jnp.ones((4, 2)), "t": 1.0}, tx=optax.adam(1e-2), policy="fp16",
+                              loss_scale=DynamicLossScale(2.0**10), rng=jax.random.key(0))
+    assert state.params["t"].dtype == jnp.float32 and not state.params["t"].weak_type
+    step = jax.jit(train_step, static_argnames="loss_fn")
+    for _ in range(3):
+        state, metrics = step(state, jnp.ones((3, 4)), loss_fn)
+    assert len(traces) == 1 and bool(metrics["grads_finite"])
+    assert not state.opt_state[0].mu["t"].weak_type
+
+
+def test_shared_buffers_are_copied_so_the_state_can_be_donated():
+    """Tied initial weights (one array in two leaves) and LookaheadParams.init_synced alias buffers."""
+    from jaxamp import train_step
+
+    w = jnp.ones((4, 2))
+
+    def loss_fn(p, batch, rng):
+        return jnp.mean((batch.astype(jnp.float16) @ p["enc"] @ p["dec"].T).astype(jnp.float32) ** 2)
+
+    make = lambda params: TrainState.create(params=params, tx=optax.adam(1e-2), policy="fp16",
+                                            loss_scale=DynamicLossScale(2.0**10), rng=jax.random.key(0))
+    tied = make({"enc": w, "dec": w})
+    assert (tied.params["enc"] is w) != (tied.params["dec"] is w)  # the second use is a copy
+    ids = [id(x) for x in jax.tree.leaves((tied.params, tied.opt_state))]
+    assert len(ids) == len(set(ids))
+    donated = jax.jit(train_step, static_argnames="loss_fn", donate_argnums=0)
+    reference = jax.jit(train_step, static_argnames="loss_fn")
+    ref_state = make({"enc": jnp.ones((4, 2)), "dec": jnp.ones((4, 2))})
+    for _ in range(2):
+        tied, _ = donated(tied, jnp.ones((3, 4)), loss_fn)
+        ref_state, _ = reference(ref_state, jnp.ones((3, 4)), loss_fn)
+    for a, b in zip(jax.tree.leaves(tied.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_train_state_round_trips_through_flax_serialization():

@@ -2,6 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optax.contrib
 import pytest
 
 from jaxamp import (DynamicLossScale, NoOpLossScale, StaticLossScale, TrainState, all_finite, eval_step,
@@ -390,5 +391,60 @@ def test_bad_loss_dtype_and_step_arguments():
     for bad in (2.0, True):
         with pytest.raises(ValueError, match="accum_steps must be an integer"):
             train_step(state, make_batch(0), mlp_loss, accum_steps=bad)
-    with pytest.raises(ValueError, match="must divide the batch's leading axis"):
-        train_step(state, {**make_batch(0), "scale": 1.0}, mlp_loss, accum_steps=2)
+    with pytest.raises(ValueError, match=r"same leading size; got batch\['poison'\]: \(\)"):
+        train_step(state, make_batch(0), mlp_loss, accum_steps=2)  # a scalar leaf next to [32, ...] rows
+    jitted = jax.jit(train_step, static_argnames="loss_fn")  # options passed but not named static
+    for option in ({"accum_steps": 2}, {"underflow_stats": True}, {"max_retries": 2}):
+        name = next(iter(option))
+        with pytest.raises(ValueError, match=f"{name} must be a static Python value: .*static_argnames"):
+            jitted(state, rows_batch(0), rows_loss, **option)
+
+
+def test_accumulation_refuses_leaves_of_another_leading_size():
+    """A per-class weight vector f32[4] in the batch would be cut into pieces, silently; it is refused."""
+    batch = {**rows_batch(0, n=8), "class_weights": jnp.ones((4,))}
+    with pytest.raises(ValueError, match=r"same leading size; got .*batch\['class_weights'\]: \(4,\)"):
+        train_step(make_state(), batch, rows_loss, accum_steps=2)
+
+
+@pytest.mark.parametrize("out,what", [(lambda l: [l, {"a": 1.0}], "got list"), (lambda l: {"loss": l}, "got dict"),
+                                      (lambda l: (l, 1.0, 2.0), "got a 3-tuple"), (lambda l: (l,), "got a 1-tuple"),
+                                      (lambda l: None, "got NoneType")])
+def test_loss_fn_return_shapes_get_one_clear_error(out, what):
+    with pytest.raises(ValueError, match=f"scalar loss or a \\(loss, aux\\) tuple, {what}"):
+        step(make_state(), make_batch(0), lambda p, b, r: out(mlp_loss(p, b, r)))
+
+
+def test_retry_skips_a_non_finite_loss_at_once():
+    """No scale makes a NaN input finite: one skip and one backoff, as with "skip", not max_retries recomputes."""
+    retry = jax.jit(train_step, static_argnames=("loss_fn", "on_overflow"))
+    bad = make_batch(0)
+    bad["x"] = bad["x"].at[0, 0].set(jnp.nan)
+    for mode in ("skip", "retry"):
+        state = make_state("fp16", DynamicLossScale(2.0**15))
+        new, metrics = retry(state, bad, mlp_loss, on_overflow=mode)
+        assert not bool(metrics["loss_finite"]) and not bool(metrics["grads_finite"])
+        assert int(metrics["retries"]) == 0 and float(new.loss_scale.loss_scale) == 2.0**14, mode
+        assert bits(new.params) == bits(state.params)
+
+
+def test_loss_goes_to_optax_as_value():
+    """Transformations that take `value=` (reduce_on_plateau, polyak_sgd) get the unscaled float32 loss."""
+
+    def record_value():
+        def update(updates, state, params=None, *, value, **extra):
+            del params, extra
+            return updates, value.astype(jnp.float32)
+        return optax.GradientTransformationExtraArgs(lambda params: jnp.zeros((), jnp.float32), update)
+
+    state = make_state("fp16", DynamicLossScale(2.0**10), tx=optax.chain(optax.sgd(1e-2), record_value()))
+    new, metrics = step(state, make_batch(0), mlp_loss)
+    assert float(new.opt_state[1]) == float(metrics["loss"]) > 0
+    plateau = make_state("fp16", DynamicLossScale(2.0**10),
+                         tx=optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1)))
+    for i in range(3):
+        plateau, metrics = step(plateau, make_batch(i), mlp_loss)
+        assert bool(metrics["grads_finite"])
+    polyak = make_state(tx=optax.polyak_sgd())
+    polyak, metrics = step(polyak, make_batch(0), mlp_loss)
+    assert bool(metrics["grads_finite"]) and bits(polyak.params) != bits(make_state().params)
