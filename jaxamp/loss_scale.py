@@ -191,9 +191,10 @@ class DynamicLossScale(LossScale):
     DeepSpeed's default instead restore their hysteresis budget only when the scale grows) and a floor and a ceiling
     so the scale is never 0, subnormal, inf or NaN. With `hysteresis` > 1 a finite step forgives earlier overflows,
     so overflows on every other step never back off (each one is skipped): keep the default 1 (torch.amp, jmp)
-    unless overflows come as isolated spikes. With the default floor `min_loss_scale=1.0`, a loss whose unscaled float16 gradients overflow (e.g. a sum over a large batch) is skipped at
-    every step (`grads_finite` stays False); lower the floor or average the loss. The algorithm, applied by
-    `adjust(grads_finite)` once per optimizer step:
+    unless overflows come as isolated spikes. With the default floor `min_loss_scale=1.0`, a loss whose unscaled
+    float16 gradients overflow (e.g. a sum over a large batch) is skipped at every step (`grads_finite` stays
+    False); lower the floor or average the loss. The algorithm, applied by `adjust(grads_finite)` once per optimizer
+    step:
 
         if grads_finite:
             overflow_counter = 0
