@@ -99,6 +99,8 @@ def _check_index(item_dir: Path) -> None:
     closes its event loop (hundreds of lines for one bad file). This one read fails quietly instead.
     """
     if not (item_dir / "manifest.ocdbt").exists():
+        if (item_dir / "d").exists() or any(item_dir.glob("ocdbt.process_*")):
+            raise _Unusable("its array index (state/manifest.ocdbt) is missing")
         return  # not an OCDBT database (orbax wrote another format): orbax's restore checks it
     try:
         store = ts.KvStore.open({"driver": "ocdbt", "base": item_dir.resolve().as_uri() + "/"}).result()
@@ -293,6 +295,13 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint directory {self._dir} holds non-checkpoint entries: {', '.join(stray)}; pass an empty "
                 f"directory or one that holds only checkpoints (nothing was read, written or deleted)")
+
+    def interrupted_saves(self) -> list[int]:
+        """Steps whose save began but never committed (`N.orbax-checkpoint-tmp-*` folders: the process was killed,
+        or the disk filled, while writing); orbax removes these folders when it next saves. Ascending."""
+        if not self._dir.is_dir():
+            return []
+        return sorted({int(e.split(".", 1)[0]) for e in os.listdir(self._dir) if _TMP_RE.match(e)})
 
     def steps(self) -> list[int]:
         """Returns the step folders on disk, ascending.

@@ -73,8 +73,9 @@ class MetricsLogger:
             from tensorboardX import SummaryWriter
 
             # A suffix unique to this logger: tensorboardX names files by the second, and a second logger opened in
-            # the same second (an in-process resume) would truncate the first one's file.
-            self._tb = SummaryWriter(str(Path(workdir) / "tb"), purge_step=resume_step + 1 if resume_step else None,
+            # the same second (an in-process resume) would truncate the first one's file. purge_step: TensorBoard
+            # drops the points of earlier files from resume_step + 1 on (all of them when a run starts over).
+            self._tb = SummaryWriter(str(Path(workdir) / "tb"), purge_step=resume_step + 1,
                                      filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:8]}")
 
     def write(self, records: list[dict]) -> None:

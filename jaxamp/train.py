@@ -39,7 +39,8 @@ LOSS_SCALES = ("auto", "dynamic", "static", "none")
 # Options a resumed run must share with the checkpoint (others, e.g. --steps or --eval-every, may change).
 RESUME_MATCH_KEYS = ("corpus_sha256", "vocab_size", "precision", "loss_scale", "init_scale", "growth_interval",
                      "layers", "heads", "width", "seq_len", "batch_size", "seed", "dropout", "bias", "lr", "min_lr",
-                     "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "accum_steps")
+                     "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2", "grad_clip", "accum_steps",
+                     "on_overflow", "max_retries")
 
 
 class ConfigError(ValueError):
@@ -445,11 +446,48 @@ def _summary_line(s: dict) -> str:
             f"final_loss_scale={s['final_loss_scale']:g} tokens_per_s={speed} wall_s={s['wall_s']:.1f}")
 
 
-RUN_ENTRIES = {"metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "tb", "checkpoints", "unusable-checkpoints"}
+RUN_ENTRIES = {"metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "tb", "checkpoints", "unusable-checkpoints",
+               "lock"}
 
 
-def _open_workdir(cfg: TrainConfig) -> tuple[Path, Checkpointer]:
-    """The run directory: new, empty, or a jaxamp run's own (anything else is refused, untouched)."""
+class _WorkdirLock:
+    """An exclusive `flock` on WORKDIR/lock for the run's lifetime: a second run on the same workdir is refused
+    before it touches anything. The kernel releases it when the process ends, even on SIGKILL, so it never goes
+    stale, and it writes nothing into the file (a refused run changes no file). Taken by process 0 only (the one
+    that writes metrics), so several processes may share a filesystem."""
+
+    def __init__(self, workdir: Path):
+        self._fd = None
+        if not is_main_process():
+            return
+        import fcntl  # pylint: disable=import-outside-toplevel  (POSIX)
+
+        try:
+            self._fd = os.open(workdir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise ConfigError(f"cannot write in --workdir {workdir} ({err.strerror}); pass a writable directory") \
+                from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.release()
+            raise ConfigError(f"--workdir {workdir} is in use by another run (it holds {workdir / 'lock'}); wait for "
+                              "it to end or pass another directory") from None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def _open_workdir(cfg: TrainConfig) -> tuple[Path, Checkpointer, _WorkdirLock]:
+    """The run directory, locked: new, empty, or a jaxamp run's own (anything else is refused, untouched)."""
     workdir = Path(cfg.workdir)
     if workdir.exists() and not workdir.is_dir():
         raise ConfigError(f"--workdir {workdir} is a file; pass a directory")
@@ -458,18 +496,30 @@ def _open_workdir(cfg: TrainConfig) -> tuple[Path, Checkpointer]:
         raise ConfigError(f"--workdir {workdir} holds entries that are not a jaxamp run's ({', '.join(stray[:5])}"
                           f"{' ...' if len(stray) > 5 else ''}); pass a new directory or a jaxamp run's workdir")
     ckpt = Checkpointer(workdir / "checkpoints", keep=cfg.keep)
+    _check_resumable(workdir, cfg, ckpt)  # reads only
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"cannot create --workdir {workdir} ({err.strerror}); pass a writable directory") from None
+    return workdir, ckpt, _WorkdirLock(workdir)
+
+
+def _check_resumable(workdir: Path, cfg: TrainConfig, ckpt: Checkpointer) -> None:
+    """Refuses a workdir whose checkpoints were removed; a run killed before its first save starts over."""
     try:
         records = read_metrics(workdir / "metrics.jsonl", strict=True)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    # No checkpoint: a run killed before its first save starts over (its records are recomputed, bitwise, from the
-    # same seed); records past a save that should exist, or a finished run's summary, mean checkpoints were removed.
+    if ckpt.steps():
+        return
+    # No checkpoint: a run killed before its first save committed (none begun yet, or one still being written when
+    # it died) starts over: its records are recomputed, bitwise, from the same seed. Records past a save that
+    # should have committed, or a finished run's summary, mean checkpoints were removed.
     last = records[-1]["step"] if records else 0
-    if not ckpt.steps() and (last >= cfg.checkpoint_every or (workdir / "summary.json").exists()):
+    first_save_cut = bool(ckpt.interrupted_saves())
+    if (workdir / "summary.json").exists() or (last > cfg.checkpoint_every and not first_save_cut):
         raise ConfigError(f"--workdir {workdir} holds a previous run's metrics (steps up to {last}) but no checkpoint "
                           "to resume from; pass a new directory, or delete this one to start over")
-    workdir.mkdir(parents=True, exist_ok=True)
-    return workdir, ckpt
 
 
 def _finished_summary(workdir: Path, cfg: TrainConfig, step: int) -> dict | None:
@@ -546,29 +596,32 @@ def train(cfg: TrainConfig) -> dict:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     run = build(cfg)
-    workdir, ckpt = _open_workdir(cfg)
-    try:
-        state = _resume(run, ckpt)
-        finished = _finished_summary(workdir, cfg, int(state.step))
-        if finished is not None:
-            return finished
-        _say(_header(run))
-        logger = MetricsLogger(workdir, resume_step=int(state.step)) if is_main_process() else _NullLogger()
-        state, stopped_by, wall_s = _train_loop(run, ckpt, logger, state)
-        logger.close()
-        ckpt.wait()
-    finally:
-        ckpt.close()
-    summary = _summary(run, state, read_metrics(workdir / "metrics.jsonl"), wall_s)
-    summary["stopped_by"] = stopped_by
-    if is_main_process():
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if stopped_by:
-        _say(f"stopped by {stopped_by} after step {int(state.step)}; checkpoint saved; run the same command to "
-             "resume")
-    elif cfg.sample_tokens > 0:
-        _say("sample:\n" + _sample(run, state))
-    _say(_summary_line(summary))
+    workdir, ckpt, lock = _open_workdir(cfg)
+    # Signals are held from here to the end: one that arrives after the loop (final save, summary, sample) lets the
+    # finished run complete and exit 0.
+    with lock, StopRequest() as stop:
+        try:
+            state = _resume(run, ckpt)
+            finished = _finished_summary(workdir, cfg, int(state.step))
+            if finished is not None:
+                return finished
+            _say(_header(run))
+            logger = MetricsLogger(workdir, resume_step=int(state.step)) if is_main_process() else _NullLogger()
+            state, stopped_by, wall_s = _train_loop(run, ckpt, logger, state, stop)
+            logger.close()
+            ckpt.wait()
+        finally:
+            ckpt.close()
+        summary = _summary(run, state, read_metrics(workdir / "metrics.jsonl"), wall_s)
+        summary["stopped_by"] = stopped_by
+        if is_main_process():
+            (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if stopped_by:
+            _say(f"stopped by {stopped_by} after step {int(state.step)}; checkpoint saved; run the same command to "
+                 "resume")
+        elif cfg.sample_tokens > 0:
+            _say("sample:\n" + _sample(run, state))
+        _say(_summary_line(summary))
     return summary
 
 
@@ -583,36 +636,36 @@ def _report_skips(bar, records: list[dict]) -> None:
                   (f"; {len(skipped) - 1} more skipped up to step {records[-1]['step']}" if len(skipped) > 1 else ""))
 
 
-def _train_loop(run: Run, ckpt: Checkpointer, logger: MetricsLogger, state: TrainState):
+def _train_loop(run: Run, ckpt: Checkpointer, logger: MetricsLogger, state: TrainState, stop: StopRequest):
     cfg, loop = run.cfg, _Loop(run, ckpt, logger)
     bar = tqdm(total=cfg.steps, initial=min(int(state.step), cfg.steps), dynamic_ncols=True,
                disable=not is_main_process() or ((not cfg.progress) if cfg.progress is not None else None))
     t_start, stopped_by, done = time.perf_counter(), None, int(state.step)
     guard = DivergenceGuard(cfg.max_consecutive_skips, getattr(state.loss_scale, "min_loss_scale", 1.0))
-    with StopRequest() as stop:
-        while done < cfg.steps and stop.signal is None:
-            state = loop.step(state, done)
-            done += 1
-            if done % cfg.log_every == 0:
-                stop.sync()  # several processes: agree on a signal (a no-op in one process)
-            at_eval = done % cfg.eval_every == 0 or done == cfg.steps
-            at_save = done % cfg.checkpoint_every == 0 or done == cfg.steps
-            if at_eval or at_save or done % cfg.log_every == 0 or stop.signal is not None:
-                new = loop.flush(state, done, evaluate_now=at_eval)
-                _report_skips(bar, new)
-                diverged = guard.check(new)
-                if diverged:
-                    loop.save(state, force=True)
-                    ckpt.wait()
-                    raise DivergenceError(f"{diverged}; the state after step {done} (skipped steps leave the "
-                                          f"weights unchanged) is saved in {ckpt.directory}")
-                bar.update(len(new))
-                bar.set_postfix(loss=f"{new[-1]['loss']:.3f}", scale=f"{new[-1]['loss_scale']:g}",
-                                tok_s=f"{new[-1]['tokens_per_s']:.0f}")
-            if at_save or stop.signal is not None:
+    while done < cfg.steps and stop.signal is None:
+        state = loop.step(state, done)
+        done += 1
+        if done % cfg.log_every == 0:
+            stop.sync()  # several processes: agree on a signal (a no-op in one process)
+        at_eval = done % cfg.eval_every == 0 or done == cfg.steps
+        at_save = done % cfg.checkpoint_every == 0 or done == cfg.steps
+        if at_eval or at_save or done % cfg.log_every == 0 or stop.signal is not None:
+            new = loop.flush(state, done, evaluate_now=at_eval)
+            _report_skips(bar, new)
+            diverged = guard.check(new)
+            if diverged:
                 loop.save(state, force=True)
-        if stop.signal is not None:
-            stopped_by = signal.Signals(stop.signal).name
-            ckpt.wait()
+                ckpt.wait()
+                raise DivergenceError(f"{diverged}; the state after step {done} (skipped steps leave the "
+                                      f"weights unchanged) is saved in {ckpt.directory}")
+            bar.update(len(new))
+            bar.set_postfix(loss=f"{new[-1]['loss']:.3f}", scale=f"{new[-1]['loss_scale']:g}",
+                            tok_s=f"{new[-1]['tokens_per_s']:.0f}")
+        if at_save or stop.signal is not None:
+            loop.save(state, force=True)
+    if stop.signal is not None and done < cfg.steps:  # a signal during the last step leaves a finished run
+        stopped_by = signal.Signals(stop.signal).name
+        loop.save(state, force=True)  # a no-op when the loop saved this step; else (a signal before the first step)
+        ckpt.wait()
     bar.close()
     return state, stopped_by, time.perf_counter() - t_start

@@ -206,17 +206,23 @@ def test_missing_or_truncated_file_falls_back(tmp_path, states, damage):
     assert len(messages) == 1 and messages[0].startswith(f"checkpoint step 4 in {tmp_path} is unusable (")
 
 
-@pytest.mark.parametrize("index_file", ["state/manifest.ocdbt", "the root b-tree node in state/d"])
-def test_damaged_array_index_falls_back_quietly(tmp_path, states, capfd, index_file):
+@pytest.mark.parametrize("damage", ["truncate state/manifest.ocdbt", "truncate the root b-tree node in state/d",
+                                    "delete state/manifest.ocdbt"])
+def test_damaged_array_index_falls_back_quietly(tmp_path, states, capfd, damage):
     _save(tmp_path, states, steps=(3, 4)).close()
     step_dir = tmp_path / "4"
-    victim = (step_dir / index_file if index_file.endswith(".ocdbt")
+    victim = (step_dir / "state" / "manifest.ocdbt" if damage.endswith(".ocdbt")
               else next((step_dir / "state" / "d").iterdir()))
-    os.truncate(victim, victim.stat().st_size // 2)
+    if damage.startswith("delete"):
+        victim.unlink()
+    else:
+        os.truncate(victim, victim.stat().st_size // 2)
     capfd.readouterr()
     restored, _, messages = _restore_with_warnings(Checkpointer(tmp_path), _abstract(states[4]))
     assert_bitwise(restored, states[3])
-    assert len(messages) == 1 and "its array index is unreadable" in messages[0], messages
+    reason = ("its array index (state/manifest.ocdbt) is missing" if damage.startswith("delete")
+              else "its array index is unreadable")
+    assert len(messages) == 1 and reason in messages[0], messages
     gc.collect()
     err = capfd.readouterr().err
     assert "Event loop is closed" not in err and "Traceback" not in err, err[:2000]  # tensorstore's thread noise

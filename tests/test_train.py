@@ -102,6 +102,28 @@ def test_tensorboard_keeps_every_step_across_a_resume_within_one_second(tmp_path
     assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2
     steps = sorted({step for step, _ in tensorboard_scalars(tmp_path / "tb")["train/loss"]})
     assert steps == [1, 2, 3, 4, 5]
+    # A run that starts over (killed before its first checkpoint) purges every earlier point in TensorBoard too:
+    # each event file opens with a SessionLog.START at resume_step + 1, which TensorBoard reads as "drop the
+    # earlier files' points from this step on".
+    MetricsLogger(tmp_path, resume_step=0).close()
+    newest = max((tmp_path / "tb").glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime_ns)
+    assert session_starts(newest) == [1]
+
+
+def session_starts(path) -> list[int]:
+    """Steps of the SessionLog.START events (TensorBoard's purge markers) in one event file."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    data, pos, starts = Path(path).read_bytes(), 0, []
+    while pos < len(data):
+        (length,) = struct.unpack("<Q", data[pos:pos + 8])
+        event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+        pos += 12 + length + 4
+        if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+            starts.append(event.step)
+    return starts
 
 
 def test_default_corpus_needs_no_download(tmp_path, capsys):
@@ -200,6 +222,88 @@ def test_previous_metrics_without_checkpoint_are_refused_untouched(tmp_path, cap
         assert expected in capsys.readouterr().err
         assert (foreign / "metrics.jsonl").read_text() == text and sorted(foreign.iterdir()) == [
             foreign / "metrics.jsonl"]
+
+
+def test_a_first_save_cut_short_starts_over(tmp_path, capsys):
+    """Killed (or out of disk) while its first checkpoint was still being written: only orbax's tmp folder is left,
+    with records past --checkpoint-every. The same command starts over and writes the very same records."""
+    corpus = _small_corpus(tmp_path / "corpus.txt")
+    args = [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1", "--steps", "4",
+            "--checkpoint-every", "2", "--eval-every", "2", "--log-every", "1"]
+    reference = tmp_path / "reference"
+    assert train_lm.main([*args, "--workdir", str(reference)]) == 0
+    workdir = tmp_path / "cut"
+    shutil.copytree(reference, workdir)
+    (workdir / "summary.json").unlink()
+    shutil.rmtree(workdir / "checkpoints" / "4")
+    (workdir / "checkpoints" / "2").rename(workdir / "checkpoints" / "2.orbax-checkpoint-tmp-1764531000")
+    capsys.readouterr()
+    assert train_lm.main([*args, "--workdir", str(workdir)]) == 0
+    assert "resumed" not in capsys.readouterr().out
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]
+    assert strip(read_metrics(workdir / "metrics.jsonl")) == strip(read_metrics(reference / "metrics.jsonl"))
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]  # the tmp folder is gone
+
+
+def test_a_busy_or_unwritable_workdir_is_refused_untouched(tmp_path, capsys):
+    from jaxamp.train import _WorkdirLock
+
+    corpus = _small_corpus(tmp_path / "corpus.txt")
+    args = [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1", "--steps", "2"]
+    workdir = tmp_path / "run"
+    assert train_lm.main([*args, "--workdir", str(workdir)]) == 0
+    snapshot = lambda: sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in workdir.rglob("*"))
+    with _WorkdirLock(workdir):  # another run holds the workdir
+        before = snapshot()
+        capsys.readouterr()
+        assert train_lm.main([*args, "--steps", "4", "--workdir", str(workdir)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"error: --workdir {workdir} is in use by another run (it holds {workdir / 'lock'}); wait "
+                       "for it to end or pass another directory")
+        assert snapshot() == before
+    assert train_lm.main([*args, "--steps", "4", "--workdir", str(workdir)]) == 0  # released: it resumes
+    odd = tmp_path / "odd"
+    (odd / "lock").mkdir(parents=True)  # cannot be opened for writing, like a read-only workdir
+    assert train_lm.main([*args, "--workdir", str(odd)]) == 2
+    assert "cannot write in --workdir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("when", ["before the first step", "during the last step", "after the loop"])
+def test_signals_outside_the_loop_leave_a_consistent_run(tmp_path, capsys, monkeypatch, when):
+    """SIGTERM before the first step saves step 0 and resumes; during the last step or after the loop (final save,
+    summary) the run completes as if no signal had come: exit 0, stopped_by null."""
+    import os as os_
+
+    import jaxamp.train as train_mod
+
+    corpus = _small_corpus(tmp_path / "corpus.txt")
+    args = [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1", "--steps", "3",
+            "--workdir", str(tmp_path / "run")]
+    term = lambda: os_.kill(os_.getpid(), signal.SIGTERM)
+    if when == "before the first step":
+        original = train_mod._resume
+        monkeypatch.setattr(train_mod, "_resume", lambda run, ckpt: (term(), original(run, ckpt))[1])
+    elif when == "during the last step":
+        original = train_mod._Loop.step
+        monkeypatch.setattr(train_mod._Loop, "step",
+                            lambda self, state, step: ((term() if step == 2 else None), original(self, state, step))[1])
+    else:
+        original = train_mod._summary
+        monkeypatch.setattr(train_mod, "_summary", lambda *a: (term(), original(*a))[1])
+    assert train_lm.main(args) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    if when == "before the first step":
+        assert "stopped by SIGTERM after step 0" in out and summary["stopped_by"] == "SIGTERM"
+        assert Checkpointer(tmp_path / "run" / "checkpoints").steps() == [0]
+        monkeypatch.undo()
+        assert train_lm.main(args) == 0
+        assert "resumed from step 0" in capsys.readouterr().out
+        summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    else:
+        assert "stopped by" not in out
+    assert summary["stopped_by"] is None and summary["steps"] == 3
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_rerunning_a_finished_run_changes_nothing(tmp_path, capsys):
