@@ -288,7 +288,8 @@ class Checkpointer:
         stray = []
         for entry in sorted(os.listdir(self._dir)):
             path = self._dir / entry
-            if path.is_dir() and (_STEP_RE.match(entry) or _TMP_RE.match(entry) or entry in _ORBAX_ROOT_ENTRIES):
+            ours = _STEP_RE.match(entry) or _TMP_RE.match(entry) or entry in _ORBAX_ROOT_ENTRIES
+            if ours and (path.is_dir() or not path.exists()):  # gone since listdir: a tmp folder orbax just renamed
                 continue
             stray.append(entry + ("/" if path.is_dir() else ""))
         if stray:

@@ -42,17 +42,26 @@ def _float_array(path, leaf) -> jax.Array:
     return leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf, dtype=jnp.dtype(dtype))
 
 
+def _buffers(x: jax.Array) -> set:
+    """The device buffers behind an array (two `jax.Array` objects may share them, e.g. after `device_put`)."""
+    try:
+        return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
+    except Exception:  # noqa: BLE001 - a backend without raw pointers: the object itself stands for its buffers
+        return {("object", id(x))}
+
+
 def _unalias(tree: PyTree) -> PyTree:
-    """Copies every array that appears a second time in `tree` (tied initial weights, `LookaheadParams.init_synced`,
+    """Copies every array whose buffers appear earlier in `tree` (tied initial weights, `LookaheadParams.init_synced`,
     an optimizer state that holds the params themselves): a donated state must not hold one buffer twice."""
-    seen: set[int] = set()
+    seen: set = set()
 
     def once(x):
         if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
             return x
-        if id(x) in seen:
+        buffers = _buffers(x)
+        if buffers & seen:
             return jnp.copy(x)
-        seen.add(id(x))
+        seen.update(buffers)
         return x
 
     return jax.tree.map(once, tree)

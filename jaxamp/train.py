@@ -453,26 +453,42 @@ RUN_ENTRIES = {"metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "tb", "chec
 class _WorkdirLock:
     """An exclusive `flock` on WORKDIR/lock for the run's lifetime: a second run on the same workdir is refused
     before it touches anything. The kernel releases it when the process ends, even on SIGKILL, so it never goes
-    stale, and it writes nothing into the file (a refused run changes no file). Taken by process 0 only (the one
-    that writes metrics), so several processes may share a filesystem."""
+    stale, and it writes nothing into the file (a refused run changes no file). Process 0 takes it (the one that
+    writes metrics; several processes may share a filesystem) and tells the others whether it could."""
+
+    _BUSY, _UNWRITABLE = 1, 2
 
     def __init__(self, workdir: Path):
-        self._fd = None
-        if not is_main_process():
-            return
+        self._fd, outcome, reason = None, 0, ""
+        if is_main_process():
+            outcome, reason = self._take(workdir)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+            outcome = int(multihost_utils.broadcast_one_to_all(np.int32(outcome)))
+        if outcome == self._BUSY:
+            raise ConfigError(f"--workdir {workdir} is in use by another run (it holds {workdir / 'lock'}); wait for "
+                              "it to end or pass another directory")
+        if outcome == self._UNWRITABLE:
+            raise ConfigError(f"cannot write in --workdir {workdir}{reason}; pass a writable directory")
+
+    def _take(self, workdir: Path) -> tuple[int, str]:
+        import errno  # pylint: disable=import-outside-toplevel
         import fcntl  # pylint: disable=import-outside-toplevel  (POSIX)
 
         try:
             self._fd = os.open(workdir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
-            raise ConfigError(f"cannot write in --workdir {workdir} ({err.strerror}); pass a writable directory") \
-                from None
+            return self._UNWRITABLE, f" ({err.strerror})"
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.release()
-            raise ConfigError(f"--workdir {workdir} is in use by another run (it holds {workdir / 'lock'}); wait for "
-                              "it to end or pass another directory") from None
+        except OSError as err:
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                self.release()
+                return self._BUSY, ""
+            _say(f"warning: cannot lock {workdir / 'lock'} ({err.strerror}; the filesystem may not support flock): "
+                 "running without the guard against a second run on this workdir")
+        return 0, ""
 
     def release(self) -> None:
         if self._fd is not None:
@@ -515,8 +531,10 @@ def _check_resumable(workdir: Path, cfg: TrainConfig, ckpt: Checkpointer) -> Non
     # No checkpoint: a run killed before its first save committed (none begun yet, or one still being written when
     # it died) starts over: its records are recomputed, bitwise, from the same seed. Records past a save that
     # should have committed, or a finished run's summary, mean checkpoints were removed.
-    last = records[-1]["step"] if records else 0
-    first_save_cut = bool(ckpt.interrupted_saves())
+    last, cut = (records[-1]["step"] if records else 0), ckpt.interrupted_saves()
+    # The first save is at step checkpoint_every (or earlier: at the end or on a signal); the loop runs on while it
+    # is written, but the next save waits for it, so its records stop at 2 * checkpoint_every.
+    first_save_cut = bool(cut) and max(cut) <= cfg.checkpoint_every and last <= 2 * cfg.checkpoint_every
     if (workdir / "summary.json").exists() or (last > cfg.checkpoint_every and not first_save_cut):
         raise ConfigError(f"--workdir {workdir} holds a previous run's metrics (steps up to {last}) but no checkpoint "
                           "to resume from; pass a new directory, or delete this one to start over")

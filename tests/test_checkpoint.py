@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import importlib.util
 import json
@@ -208,7 +207,7 @@ def test_missing_or_truncated_file_falls_back(tmp_path, states, damage):
 
 @pytest.mark.parametrize("damage", ["truncate state/manifest.ocdbt", "truncate the root b-tree node in state/d",
                                     "delete state/manifest.ocdbt"])
-def test_damaged_array_index_falls_back_quietly(tmp_path, states, capfd, damage):
+def test_damaged_array_index_falls_back_quietly(tmp_path, states, damage):
     _save(tmp_path, states, steps=(3, 4)).close()
     step_dir = tmp_path / "4"
     victim = (step_dir / "state" / "manifest.ocdbt" if damage.endswith(".ocdbt")
@@ -217,15 +216,24 @@ def test_damaged_array_index_falls_back_quietly(tmp_path, states, capfd, damage)
         victim.unlink()
     else:
         os.truncate(victim, victim.stat().st_size // 2)
-    capfd.readouterr()
     restored, _, messages = _restore_with_warnings(Checkpointer(tmp_path), _abstract(states[4]))
     assert_bitwise(restored, states[3])
     reason = ("its array index (state/manifest.ocdbt) is missing" if damage.startswith("delete")
               else "its array index is unreadable")
-    assert len(messages) == 1 and reason in messages[0], messages
-    gc.collect()
-    err = capfd.readouterr().err
-    assert "Event loop is closed" not in err and "Traceback" not in err, err[:2000]  # tensorstore's thread noise
+    assert len(messages) == 1 and reason in messages[0], messages  # checked before orbax's concurrent reads
+    # (tensorstore's tracebacks from those reads show only in a separate process: see test_train)
+
+
+def test_a_tmp_folder_renamed_while_listing_is_not_a_stray_entry(tmp_path, states, monkeypatch):
+    """orbax renames N.orbax-checkpoint-tmp-* to N between os.listdir and the is_dir check (another process of a
+    multi-process run committing): the vanished name is not a non-checkpoint entry."""
+    import jaxamp.checkpoint as checkpoint_mod
+
+    ckpt = _save(tmp_path, states, steps=(1,))
+    real = os.listdir
+    monkeypatch.setattr(checkpoint_mod.os, "listdir", lambda d: [*real(d), "2.orbax-checkpoint-tmp-1764531000"])
+    assert ckpt.save(states[2], CONFIG) is True
+    ckpt.close()
 
 
 # 4 -------------------------------------------------------------------------------------------------------------

@@ -112,6 +112,13 @@ def test_shared_buffers_are_copied_so_the_state_can_be_donated():
         ref_state, _ = reference(ref_state, jnp.ones((3, 4)), loss_fn)
     for a, b in zip(jax.tree.leaves(tied.params), jax.tree.leaves(ref_state.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Two distinct Array objects over one buffer (device_put of a tied tree) are caught too.
+    w2 = jnp.ones((4, 2))  # (w itself was donated above)
+    placed = jax.device_put({"enc": w2, "dec": w2}, jax.devices()[0])
+    assert placed["enc"] is not placed["dec"]
+    state = make(placed)
+    state, metrics = donated(state, jnp.ones((3, 4)), loss_fn)
+    assert bool(metrics["grads_finite"])
 
 
 def test_train_state_round_trips_through_flax_serialization():

@@ -1,6 +1,7 @@
 """End to end: experiments/train_lm.py trains, logs, rejects bad input, checkpoints and resumes to the bit."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -243,6 +244,34 @@ def test_a_first_save_cut_short_starts_over(tmp_path, capsys):
     strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]
     assert strip(read_metrics(workdir / "metrics.jsonl")) == strip(read_metrics(reference / "metrics.jsonl"))
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4"]  # the tmp folder is gone
+    # A later save cut short (step 4 > --checkpoint-every 2) after the committed steps were removed is not a first
+    # save: the workdir is refused, untouched, as any workdir whose checkpoints are gone.
+    later = tmp_path / "later"
+    shutil.copytree(reference, later)
+    (later / "summary.json").unlink()
+    shutil.rmtree(later / "checkpoints" / "2")
+    (later / "checkpoints" / "4").rename(later / "checkpoints" / "4.orbax-checkpoint-tmp-1764531000")
+    snapshot = lambda: sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in later.rglob("*"))
+    before = snapshot()
+    assert train_lm.main([*args, "--workdir", str(later)]) == 2
+    assert "no checkpoint to resume from" in capsys.readouterr().err
+    assert snapshot() == before
+
+
+def test_a_damaged_newest_checkpoint_falls_back_quietly(tmp_path):
+    """A truncated OCDBT manifest: one warning and a resume from the previous step, not hundreds of tensorstore
+    "Event loop is closed" tracebacks (they come from tensorstore's threads, so only a separate process shows them)."""
+    corpus = _small_corpus(tmp_path / "corpus.txt")
+    args = [*TINY, "--data", corpus, "--sample-tokens", "0", "--eval-batches", "1", "--checkpoint-every", "2",
+            "--eval-every", "2", "--workdir", tmp_path / "run"]
+    first = cli(*args, "--steps", "4")
+    assert first.returncode == 0, first.stderr
+    manifest = tmp_path / "run" / "checkpoints" / "4" / "state" / "manifest.ocdbt"
+    os.truncate(manifest, manifest.stat().st_size // 2)
+    second = cli(*args, "--steps", "6")
+    assert second.returncode == 0, second.stderr
+    assert "resumed from step 2" in second.stdout and "checkpoint step 4" in second.stderr
+    assert "Event loop is closed" not in second.stderr and "Traceback" not in second.stderr, second.stderr[:3000]
 
 
 def test_a_busy_or_unwritable_workdir_is_refused_untouched(tmp_path, capsys):
@@ -266,6 +295,20 @@ def test_a_busy_or_unwritable_workdir_is_refused_untouched(tmp_path, capsys):
     (odd / "lock").mkdir(parents=True)  # cannot be opened for writing, like a read-only workdir
     assert train_lm.main([*args, "--workdir", str(odd)]) == 2
     assert "cannot write in --workdir" in capsys.readouterr().err
+
+
+def test_a_filesystem_without_flock_runs_with_a_warning(tmp_path, capsys, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    corpus = _small_corpus(tmp_path / "corpus.txt")
+    args = [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1", "--steps", "2"]
+    assert train_lm.main([*args, "--workdir", str(tmp_path / "run")]) == 0
+    assert "running without the guard against a second run" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("when", ["before the first step", "during the last step", "after the loop"])
