@@ -679,11 +679,11 @@ def _train_loop(run: Run, ckpt: Checkpointer, logger: MetricsLogger, state: Trai
             bar.update(len(new))
             bar.set_postfix(loss=f"{new[-1]['loss']:.3f}", scale=f"{new[-1]['loss_scale']:g}",
                             tok_s=f"{new[-1]['tokens_per_s']:.0f}")
-        if at_save or stop.signal is not None:
+        if at_save:
             loop.save(state, force=True)
     if stop.signal is not None and done < cfg.steps:  # a signal during the last step leaves a finished run
         stopped_by = signal.Signals(stop.signal).name
-        loop.save(state, force=True)  # a no-op when the loop saved this step; else (a signal before the first step)
+        loop.save(state, force=True)  # the step it stopped at (step 0 if before the first); a no-op if just saved
         ckpt.wait()
     bar.close()
     return state, stopped_by, time.perf_counter() - t_start
