@@ -351,3 +351,32 @@ def test_two_processes_resume_past_a_damaged_step_and_set_it_aside_once(children
     records = read_metrics(paths["damaged"] / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 9))  # steps 5-6 replaced, none duplicated or missing
     assert Checkpointer(paths["damaged"] / "checkpoints").steps() == [4, 8]  # and step 8 saved (every 4 steps)
+
+
+def test_two_processes_on_a_busy_workdir_are_both_refused(children, tmp_path):
+    """Process 0 holds the workdir lock for the run and tells process 1 whether it got it: a second two-process run
+    on a busy workdir ends in both processes with the same one-line error, and changes no file."""
+    from jaxamp.train import _WorkdirLock
+
+    busy = tmp_path / "busy"
+    shutil.copytree(children["paths"]["work2"], busy)
+    snapshot = lambda: sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in busy.rglob("*"))
+    port = _free_port()
+    with _WorkdirLock(busy):  # the first run, still going
+        before = snapshot()
+        procs = [subprocess.Popen(
+            [sys.executable, str(SCRIPT), *children["args"], "--mesh", "data=4", "--steps", "6", "--workdir",
+             str(busy), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+            env=_env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+        try:
+            results = [proc.communicate(timeout=240) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        for proc, (_, err) in zip(procs, results):
+            assert proc.returncode == 2, err[-3000:]
+            assert err.strip().splitlines()[-1] == (f"error: --workdir {busy} is in use by another run (it holds {busy / 'lock'}); "
+                                   "wait for it to end or pass another directory"), err[-3000:]
+        assert snapshot() == before
