@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 HELP = {
     "data": "UTF-8 text file (default: the Python standard library's own sources, no download)",
-    "precision": "fp32 | bf16 | fp16 | auto (bf16 on TPUs and GPUs of compute capability >= 8.0, fp16 on older GPUs, fp32 on CPUs) | "
-                 "a jmp policy string such as 'p=f32,c=f16,o=f32'",
+    "precision": "fp32 | bf16 | fp16 | auto (bf16 on TPUs and GPUs of compute capability >= 8.0, fp16 on 7.x, "
+                 "fp32 on older GPUs and CPUs) | a jmp policy string such as 'p=f32,c=f16,o=f32'",
     "loss_scale": "auto (dynamic for float16 compute, else none) | dynamic | static | none",
     "init_scale": "initial dynamic (or fixed static) loss scale",
     "growth_interval": "finite steps before the dynamic loss scale grows",
@@ -38,7 +38,8 @@ HELP = {
     "on_overflow": "skip (drop the update, back off) | retry (back off and recompute the same batch)",
     "max_retries": "retries per step with --on-overflow retry",
     "underflow_stats": "log the gradients' zero fraction and the loss scale's headroom each step",
-    "max_consecutive_skips": "stop, after saving, when this many steps in a row overflow",
+    "max_consecutive_skips": "stop, after saving, when this many steps in a row overflow (or 10 at the minimum "
+                             "loss scale); checked at each metrics fetch (--log-every)",
     "mesh": "devices as 'data=N' (data parallel) or 'data=N,fsdp=M' (params and optimizer state sharded too); "
             "N*M = all devices of all processes; --batch-size is then the global batch",
     "coordinator": "HOST:PORT of process 0 for jax.distributed (several processes; or JAX_COORDINATOR_ADDRESS)",

@@ -564,7 +564,7 @@ class Checkpointer:
 
     def _check_match(self, n, config, record, target, expected_config, match_keys) -> None:
         where = f"checkpoint at step {n} in {self._dir}"
-        advice = "use a new --workdir or the same settings"
+        advice = "use another checkpoint directory (--workdir) or the same settings"
         for key in match_keys:
             want = _json_normal(expected_config[key])
             if key not in config:

@@ -124,9 +124,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--seed must lie in [0, 2**31), got {cfg.seed}")
     if not 0 <= cfg.dropout < 1:
         raise ConfigError(f"--dropout must lie in [0, 1), got {cfg.dropout}")
-    if cfg.on_overflow not in ("skip", "retry") or cfg.max_retries < 0:
-        raise ConfigError(f"--on-overflow must be skip or retry and --max-retries >= 0, got {cfg.on_overflow!r}, "
-                          f"{cfg.max_retries}")
+    if cfg.on_overflow not in ("skip", "retry"):
+        raise ConfigError(f"--on-overflow must be skip or retry, got {cfg.on_overflow!r}")
+    if cfg.max_retries < 0:
+        raise ConfigError(f"--max-retries must be >= 0, got {cfg.max_retries}")
     if cfg.loss_scale not in LOSS_SCALES:
         raise ConfigError(f"--loss-scale must be one of {', '.join(LOSS_SCALES)}, got {cfg.loss_scale!r}")
     try:
@@ -404,7 +405,8 @@ class StopRequest:
 
 def _header(run: Run) -> str:
     cfg, n = run.cfg, count_params(run.state.params)
-    return (f"jaxamp: {n:,} parameters ({n * 4 / 2**20:.1f} MiB float32 master weights); vocab "
+    dtype = jnp.dtype(run.state.policy.param_dtype)
+    return (f"jaxamp: {n:,} parameters ({n * dtype.itemsize / 2**20:.1f} MiB {dtype.name} master weights); vocab "
             f"{run.dataset.tokenizer.vocab_size}; train {len(run.dataset.train):,} / val {len(run.dataset.val):,} "
             f"tokens; {cfg.tokens_per_step():,} tokens per step; precision {policy_name(run.state.policy)}"
             f"{' (auto: ' + auto_precision()[1] + ')' if cfg.precision.strip().lower() == 'auto' else ''}; "

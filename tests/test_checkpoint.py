@@ -293,7 +293,7 @@ def test_mismatch_raises_and_touches_nothing(tmp_path, states):
     with pytest.raises(CheckpointMismatchError) as info:
         ckpt.restore(target, dict(CONFIG, width=256), match_keys=("lr", "width"))
     assert str(info.value) == ("checkpoint at step 5 was saved with width=64 but this run has width=256; "
-                               "use a new --workdir or the same settings")
+                               "use another checkpoint directory (--workdir) or the same settings")
     with pytest.raises(CheckpointMismatchError, match=r"layers=\[16, 64, 64, 1\] but this run has layers=\[16, 32\]"):
         ckpt.restore(target, dict(CONFIG, layers=(16, 32)), match_keys=("layers",))
     # Tuples compare equal to the lists JSON gives back.
