@@ -100,7 +100,7 @@ def _check_index(item_dir: Path) -> None:
     """
     if not (item_dir / "manifest.ocdbt").exists():
         if (item_dir / "d").exists() or any(item_dir.glob("ocdbt.process_*")):
-            raise _Unusable("its array index (state/manifest.ocdbt) is missing")
+            raise _Unusable(f"its array index ({item_dir.name}/manifest.ocdbt) is missing")
         return  # not an OCDBT database (orbax wrote another format): orbax's restore checks it
     try:
         store = ts.KvStore.open({"driver": "ocdbt", "base": item_dir.resolve().as_uri() + "/"}).result()

@@ -183,6 +183,11 @@ def test_workdir_that_is_not_a_run_is_refused_untouched(tmp_path, capsys):
         b for b in before if "thesis.tex" not in b[0]]
 
 
+def _quick(corpus) -> list[str]:
+    """TINY on `corpus`, without the sample and with one validation batch: the fastest complete run."""
+    return [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1"]
+
+
 def _small_corpus(path: Path) -> Path:
     words = np.array("to be or not to be that is the question whether tis nobler in the mind\n".split(" "))
     path.write_text(" ".join(np.random.default_rng(0).choice(words, 4000)), encoding="utf-8")
@@ -197,7 +202,7 @@ def test_cli_defaults_equal_the_config_defaults():
 
 def test_previous_metrics_without_checkpoint_are_refused_untouched(tmp_path, capsys):
     corpus = _small_corpus(tmp_path / "corpus.txt")
-    args = [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1"]
+    args = _quick(corpus)
     workdir = tmp_path / "run"
     assert train_lm.main([*args, "--steps", "4", "--workdir", str(workdir)]) == 0
     shutil.rmtree(workdir / "checkpoints")
@@ -229,8 +234,7 @@ def test_a_first_save_cut_short_starts_over(tmp_path, capsys):
     """Killed (or out of disk) while its first checkpoint was still being written: only orbax's tmp folder is left,
     with records past --checkpoint-every. The same command starts over and writes the very same records."""
     corpus = _small_corpus(tmp_path / "corpus.txt")
-    args = [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1", "--steps", "4",
-            "--checkpoint-every", "2", "--eval-every", "2", "--log-every", "1"]
+    args = [*_quick(corpus), "--steps", "4", "--checkpoint-every", "2", "--eval-every", "2", "--log-every", "1"]
     reference = tmp_path / "reference"
     assert train_lm.main([*args, "--workdir", str(reference)]) == 0
     workdir = tmp_path / "cut"
@@ -262,8 +266,7 @@ def test_a_damaged_newest_checkpoint_falls_back_quietly(tmp_path):
     """A truncated OCDBT manifest: one warning and a resume from the previous step, not hundreds of tensorstore
     "Event loop is closed" tracebacks (they come from tensorstore's threads, so only a separate process shows them)."""
     corpus = _small_corpus(tmp_path / "corpus.txt")
-    args = [*TINY, "--data", corpus, "--sample-tokens", "0", "--eval-batches", "1", "--checkpoint-every", "2",
-            "--eval-every", "2", "--workdir", tmp_path / "run"]
+    args = [*_quick(corpus), "--checkpoint-every", "2", "--eval-every", "2", "--workdir", tmp_path / "run"]
     first = cli(*args, "--steps", "4")
     assert first.returncode == 0, first.stderr
     manifest = tmp_path / "run" / "checkpoints" / "4" / "state" / "manifest.ocdbt"
@@ -278,7 +281,7 @@ def test_a_busy_or_unwritable_workdir_is_refused_untouched(tmp_path, capsys):
     from jaxamp.train import _WorkdirLock
 
     corpus = _small_corpus(tmp_path / "corpus.txt")
-    args = [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1", "--steps", "2"]
+    args = [*_quick(corpus), "--steps", "2"]
     workdir = tmp_path / "run"
     assert train_lm.main([*args, "--workdir", str(workdir)]) == 0
     snapshot = lambda: sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in workdir.rglob("*"))
@@ -306,7 +309,7 @@ def test_a_filesystem_without_flock_runs_with_a_warning(tmp_path, capsys, monkey
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
     corpus = _small_corpus(tmp_path / "corpus.txt")
-    args = [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1", "--steps", "2"]
+    args = [*_quick(corpus), "--steps", "2"]
     assert train_lm.main([*args, "--workdir", str(tmp_path / "run")]) == 0
     assert "running without the guard against a second run" in capsys.readouterr().out
 
@@ -320,8 +323,7 @@ def test_signals_outside_the_loop_leave_a_consistent_run(tmp_path, capsys, monke
     import jaxamp.train as train_mod
 
     corpus = _small_corpus(tmp_path / "corpus.txt")
-    args = [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1", "--steps", "3",
-            "--workdir", str(tmp_path / "run")]
+    args = [*_quick(corpus), "--steps", "3", "--workdir", str(tmp_path / "run")]
     term = lambda: os_.kill(os_.getpid(), signal.SIGTERM)
     if when == "before the first step":
         original = train_mod._resume
@@ -351,8 +353,7 @@ def test_signals_outside_the_loop_leave_a_consistent_run(tmp_path, capsys, monke
 
 def test_rerunning_a_finished_run_changes_nothing(tmp_path, capsys):
     corpus = _small_corpus(tmp_path / "corpus.txt")
-    args = [*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1", "--workdir",
-            str(tmp_path / "run")]
+    args = [*_quick(corpus), "--workdir", str(tmp_path / "run")]
     assert train_lm.main([*args, "--steps", "4"]) == 0
     files = sorted(p for p in (tmp_path / "run").rglob("*") if p.is_file())
     before = {p: p.read_bytes() for p in files}
@@ -373,8 +374,7 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, capsys):
 def test_half_precision_master_weights_train_from_the_cli(tmp_path, capsys):
     corpus = _small_corpus(tmp_path / "corpus.txt")
     workdir = tmp_path / "f16"
-    code = train_lm.main([*TINY, "--data", str(corpus), "--sample-tokens", "0", "--eval-batches", "1", "--steps",
-                          "6", "--precision", "float16", "--workdir", str(workdir)])
+    code = train_lm.main([*_quick(corpus), "--steps", "6", "--precision", "float16", "--workdir", str(workdir)])
     assert code == 0
     assert "summary: precision=p=f16,c=f16,o=f16 steps=6" in capsys.readouterr().out
     cfg = train_lm.parse_args([*TINY, "--data", str(corpus), "--precision", "float16"])
