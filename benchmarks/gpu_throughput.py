@@ -81,8 +81,13 @@ def flops_per_token(n_params_no_pos: int, layers: int, heads: int, head_dim: int
 # --------------------------------------------------------------------------------------------------------------------
 # One precision, in this process.
 
-def run_precision(name: str, size: dict, warmup: int, steps: int) -> dict:
-    """Builds the model and a jaxamp train state for `name`, compiles, times the steps; returns a JSON-ready dict."""
+def build(name: str, size: dict):
+    """The jitted, donating jaxamp step of precision `name` and its first state and batch (on the default device).
+
+    Returns:
+      (step, state, batch, info): `step(state, batch) -> (state, metrics)`; batch = (inputs, targets), both
+      i32[batch, seq]; info = {"cfg", "n_params", "n_no_pos"}. Call it (and the step) inside `matmul_context(name)`.
+    """
     import jax
     import jax.numpy as jnp
     import optax
@@ -90,16 +95,7 @@ def run_precision(name: str, size: dict, warmup: int, steps: int) -> dict:
     from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step
     from jaxamp.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss
 
-    policy_name, dynamic, matmul_precision, peak_key = PRECISIONS[name]
-    compiles = [0]
-
-    def on_event(event: str, duration: float, **kwargs) -> None:
-        del duration, kwargs
-        if event == COMPILE_EVENT:
-            compiles[0] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    device = jax.devices()[0]
+    policy_name, dynamic, _, _ = PRECISIONS[name]
     cfg = TransformerConfig(vocab_size=size["vocab"], seq_len=size["seq_len"], num_layers=size["layers"],
                             num_heads=size["heads"], width=size["width"], dropout=0.0)
     model = TransformerLM(cfg)
@@ -109,21 +105,46 @@ def run_precision(name: str, size: dict, warmup: int, steps: int) -> dict:
         inputs, targets = batch  # i32[batch, seq] each
         return cross_entropy_loss(model.apply({"params": params}, inputs, deterministic=True), targets)
 
-    ctx = jax.default_matmul_precision(matmul_precision) if matmul_precision else contextlib.nullcontext()
-    with ctx:
-        init_key, data_key, state_key = jax.random.split(jax.random.key(0), 3)
-        params = jax.jit(model.init)(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
-        n_params = count_params(params)
-        n_no_pos = n_params - int(params["wpe"]["embedding"].size)
-        tx = optax.chain(optax.clip_by_global_norm(1.0),
-                         optax.adamw(learning_rate=6e-4, b1=0.9, b2=0.95, weight_decay=0.1))
-        loss_scale = DynamicLossScale(2.0**15) if dynamic else NoOpLossScale()
-        state = TrainState.create(params=params, tx=tx, policy=get_policy(policy_name), loss_scale=loss_scale,
-                                  rng=state_key)
-        del params
-        tokens = jax.random.randint(data_key, (size["batch_size"], cfg.seq_len + 1), 0, cfg.vocab_size, jnp.int32)
-        batch = (tokens[:, :-1], tokens[:, 1:])
-        step = jax.jit(lambda s, b: train_step(s, b, loss_fn), donate_argnums=0)
+    init_key, data_key, state_key = jax.random.split(jax.random.key(0), 3)
+    params = jax.jit(model.init)(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+    n_params = count_params(params)
+    info = {"cfg": cfg, "n_params": n_params, "n_no_pos": n_params - int(params["wpe"]["embedding"].size)}
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(learning_rate=6e-4, b1=0.9, b2=0.95, weight_decay=0.1))
+    loss_scale = DynamicLossScale(2.0**15) if dynamic else NoOpLossScale()
+    state = TrainState.create(params=params, tx=tx, policy=get_policy(policy_name), loss_scale=loss_scale,
+                              rng=state_key)
+    tokens = jax.random.randint(data_key, (size["batch_size"], cfg.seq_len + 1), 0, cfg.vocab_size, jnp.int32)
+    batch = (tokens[:, :-1], tokens[:, 1:])  # i32[batch, seq] each
+    step = jax.jit(lambda s, b: train_step(s, b, loss_fn), donate_argnums=0)
+    return step, state, batch, info
+
+
+def matmul_context(name: str):
+    """`jax.default_matmul_precision` of precision `name` (a null context for the default precision)."""
+    import jax
+
+    matmul_precision = PRECISIONS[name][2]
+    return jax.default_matmul_precision(matmul_precision) if matmul_precision else contextlib.nullcontext()
+
+
+def run_precision(name: str, size: dict, warmup: int, steps: int) -> dict:
+    """Builds the model and a jaxamp train state for `name`, compiles, times the steps; returns a JSON-ready dict."""
+    import jax
+
+    peak_key = PRECISIONS[name][3]
+    compiles = [0]
+
+    def on_event(event: str, duration: float, **kwargs) -> None:
+        del duration, kwargs
+        if event == COMPILE_EVENT:
+            compiles[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    device = jax.devices()[0]
+    with matmul_context(name):
+        step, state, batch, info = build(name, size)
+        cfg, n_params, n_no_pos = info["cfg"], info["n_params"], info["n_no_pos"]
 
         compiles[0] = 0
         t0 = time.perf_counter()
@@ -270,6 +291,7 @@ def parse_args(argv=None):
                    help="run each precision in its own subprocess (default: on, off with --tiny)")
     p.add_argument("--out", default=None, help=f"markdown table to write (default: {DEFAULT_OUT.relative_to(REPO)}, "
                    f"--tiny: {TINY_OUT.relative_to(REPO)})")
+    p.add_argument("--json", default=None, help="also write the raw results (one dict per precision) to this file")
     p.add_argument("--only", choices=list(PRECISIONS), help=argparse.SUPPRESS)  # child mode: one precision
     p.add_argument("--result-json", help=argparse.SUPPRESS)  # child mode: where to write its result
     args = p.parse_args(argv)
@@ -326,6 +348,9 @@ def main(argv=None) -> int:
                 results[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}".replace("|", "/")}
         failed |= "error" in results[name]
         out.write_text(report(args, size, results, argv), encoding="utf-8")  # partial results survive a cut
+        if args.json:
+            Path(args.json).write_text(json.dumps({"command": _command(argv), "size": size, "results": results},
+                                                  indent=1), encoding="utf-8")
     table = report(args, size, results, argv)
     out.write_text(table, encoding="utf-8")
     print(table, end="")

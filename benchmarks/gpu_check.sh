@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU check: one command, cheapest stage first, each stage's results written as soon as it finishes.
+#
+#   benchmarks/gpu_check.sh --prepare          # on the CPU machine: wheels the GPU box lacks -> .gpu-wheels/
+#   benchmarks/gpu_check.sh [OUTDIR]           # on the GPU box (default OUTDIR: $OUT, else benchmarks/results/gpu_check)
+#   benchmarks/gpu_check.sh --dry-run [OUTDIR] # on a CPU: the same stages at --tiny sizes (CI runs this)
+#
+# Stages (timeouts in seconds; about 6 minutes in all on one H200):
+#   0 env         nvidia-smi, jax/flax/optax versions and devices                      -> env.txt
+#   1 tests       pytest -m gpu tests/test_gpu.py: cuDNN attention, bitwise skip, one compile,
+#                 checkpoint round trip, 20 LM steps in fp32/bf16/fp16 within 1%       -> tests.log
+#   2 throughput  benchmarks/gpu_throughput.py, GPT-2 124M at seq 1024                 -> gpu_throughput.{md,json,log}
+#   3 profile     benchmarks/gpu_profile.py, kernel time by kind for bf16 and fp16     -> gpu_profile.{md,log}
+# The exit status is that of the first stage that failed (0 if none).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+WHEELS=.gpu-wheels
+PY=${PYTHON:-python3}
+
+if [[ ${1:-} == --prepare ]]; then
+  mkdir -p "$WHEELS"
+  # Pure-Python wheels of the two dependencies the GPU box lacks (it has no network); falls back to ../shared/wheels.
+  $PY -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "jmp==0.0.4" "tensorboardX==2.6.5" \
+    || cp ../shared/wheels/*.whl "$WHEELS"/
+  ls -l "$WHEELS"
+  exit 0
+fi
+
+DRY=0
+if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
+OUTDIR=${1:-${OUT:-$REPO/benchmarks/results/gpu_check}}
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+
+if ! $PY -c "import jmp, tensorboardX" 2>/dev/null; then
+  if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/jaxamp-gpu-deps "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH=/tmp/jaxamp-gpu-deps
+  else
+    echo "jmp or tensorboardX missing and no $WHEELS/: run 'benchmarks/gpu_check.sh --prepare' first" >&2
+    exit 2
+  fi
+fi
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+status=0
+stage() {  # stage NAME TIMEOUT_S COMMAND...: runs, logs to OUTDIR/NAME.log too, keeps the first failure's status
+  local name=$1 limit=$2; shift 2
+  echo "=== [$(date -u +%H:%M:%S)] $name (timeout ${limit}s): $*"
+  timeout "$limit" "$@" 2>&1 | tee "$OUTDIR/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== [$(date -u +%H:%M:%S)] $name exit $rc"
+  if [[ $rc -ne 0 && $status -eq 0 ]]; then status=$rc; fi
+}
+
+if [[ $DRY == 1 ]]; then
+  export JAXAMP_GPU_TESTS_ON_CPU=1 JAX_PLATFORMS=cpu
+  SIZE=(--tiny --steps 2 --warmup 1)
+  PROFILE=(--tiny --steps 1 --warmup 0 --precisions fp16)
+else
+  SIZE=(--batch-size 32 --steps 10 --warmup 3)
+  PROFILE=(--batch-size 32 --steps 3 --warmup 2 --precisions bf16 fp16)
+fi
+
+{
+  date -u
+  nvidia-smi 2>&1 || echo "(no nvidia-smi)"
+  $PY -c "import sys, jax, jaxlib, flax, optax, orbax.checkpoint as ocp, jmp
+print('python', sys.version.split()[0], '| jax', jax.__version__, '| jaxlib', jaxlib.__version__, '| flax',
+      flax.__version__, '| optax', optax.__version__, '| orbax-checkpoint', ocp.__version__)
+print('backend', jax.default_backend(), [(d.device_kind, getattr(d, 'compute_capability', None)) for d in jax.devices()])"
+} >"$OUTDIR/env.txt" 2>&1
+cat "$OUTDIR/env.txt"
+
+stage tests 150 $PY -m pytest -q -m gpu tests/test_gpu.py -rs -s -p no:cacheprovider
+stage throughput 270 $PY benchmarks/gpu_throughput.py "${SIZE[@]}" --precisions bf16 fp16 fp32 fp32-highest \
+  --out "$OUTDIR/gpu_throughput.md" --json "$OUTDIR/gpu_throughput.json"
+stage profile 100 $PY benchmarks/gpu_profile.py "${PROFILE[@]}" --out "$OUTDIR/gpu_profile.md"
+echo "gpu_check: results in $OUTDIR; exit $status"
+exit $status
