@@ -7,10 +7,11 @@
 #
 # Stages (timeouts in seconds; about 6 minutes in all on one H200):
 #   0 env         nvidia-smi, jax/flax/optax versions and devices                      -> env.txt
-#   1 tests       pytest -m gpu tests/test_gpu.py: cuDNN attention, bitwise skip, one compile,
+#   1 tests       pytest -m gpu tests/test_gpu.py: cuDNN attention, FP8 GEMMs, bitwise skip, one compile,
 #                 checkpoint round trip, 20 LM steps in fp32/bf16/fp16 within 1%       -> tests.log
 #   2 throughput  benchmarks/gpu_throughput.py, GPT-2 124M at seq 1024                 -> gpu_throughput.{md,json,log}
-#   3 profile     benchmarks/gpu_profile.py, kernel time by kind for bf16 and fp16     -> gpu_profile.{md,log}
+#   3 profile     benchmarks/gpu_profile.py, kernel time by kind for bf16 and fp8      -> gpu_profile.{md,log}
+# GPU_CHECK_PRECISIONS picks the throughput rows (default: bf16 fp16 fp8 fp32 fp32-highest, cheapest first).
 # The exit status is that of the first stage that failed (0 if none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,13 +54,15 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...: runs, logs to OUTDIR/NAME.log too,
   if [[ $rc -ne 0 && $status -eq 0 ]]; then status=$rc; fi
 }
 
+TESTS=(-m gpu tests/test_gpu.py)
 if [[ $DRY == 1 ]]; then
   export JAXAMP_GPU_TESTS_ON_CPU=1 JAX_PLATFORMS=cpu
-  SIZE=(--tiny --steps 2 --warmup 1)
+  TESTS+=(-k "not twenty")  # the 20-step precision comparison: the slowest on a CPU, and GPU numerics only
+  SIZE=(--tiny --steps 1 --warmup 0)
   PROFILE=(--tiny --steps 1 --warmup 0 --precisions fp16)
 else
   SIZE=(--batch-size 32 --steps 10 --warmup 3)
-  PROFILE=(--batch-size 32 --steps 3 --warmup 2 --precisions bf16 fp16)
+  PROFILE=(--batch-size 32 --steps 3 --warmup 2 --precisions bf16 fp8)
 fi
 
 {
@@ -72,8 +75,9 @@ print('backend', jax.default_backend(), [(d.device_kind, getattr(d, 'compute_cap
 } >"$OUTDIR/env.txt" 2>&1
 cat "$OUTDIR/env.txt"
 
-stage tests 150 $PY -m pytest -q -m gpu tests/test_gpu.py -rs -s -p no:cacheprovider
-stage throughput 270 $PY benchmarks/gpu_throughput.py "${SIZE[@]}" --precisions bf16 fp16 fp32 fp32-highest \
+stage tests 150 $PY -m pytest -q "${TESTS[@]}" -rs -s -p no:cacheprovider
+read -r -a PRECISIONS <<<"${GPU_CHECK_PRECISIONS:-bf16 fp16 fp8 fp32 fp32-highest}"
+stage throughput 300 $PY benchmarks/gpu_throughput.py "${SIZE[@]}" --precisions "${PRECISIONS[@]}" \
   --out "$OUTDIR/gpu_throughput.md" --json "$OUTDIR/gpu_throughput.json"
 stage profile 100 $PY benchmarks/gpu_profile.py "${PROFILE[@]}" --out "$OUTDIR/gpu_profile.md"
 echo "gpu_check: results in $OUTDIR; exit $status"
