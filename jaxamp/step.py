@@ -78,6 +78,7 @@ class _Grads(NamedTuple):
     aux: Any  # loss_fn's aux (stacked [accum_steps, ...] under accumulation) or None
     stats: Any  # underflow_stats dict (averaged over micro-batches; min headroom) or None
     fp8: Any = None  # the FP8 collection's new values (float32, loss-scale free), or None without FP8 ops
+    carry: Any = None  # a stateful loss_fn's state after the step's micro-batches (see `_micro_grads`), or None
 
 
 def _is_output_grad(path) -> bool:
@@ -102,23 +103,29 @@ def _fp8_in_scaled_units(fp8: PyTree, loss_scale, inverse: bool = False) -> PyTr
     return jax.tree_util.tree_map_with_path(convert, fp8)
 
 
-def _micro_grads(loss_fn, loss_scale, params_c, batch, rng):
-    """Scaled loss -> gradients w.r.t. the trainable compute-dtype params (still scaled, in the compute dtype) and
-    the FP8 collection's new values (loss-scale free).
+def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
+    """Scaled loss -> gradients w.r.t. the trainable compute-dtype params (still scaled, in the compute dtype), the
+    FP8 collection's new values (loss-scale free) and, for a stateful `loss_fn`, its new state.
 
     `params_c` is `(trainable, frozen, fp8)`: frozen leaves enter the loss as constants; the FP8 collection (None
-    without FP8 ops) is "differentiated" too, since Flax's FP8 ops return its new values as its gradient.
+    without FP8 ops) is "differentiated" too, since Flax's FP8 ops return its new values as its gradient. With a
+    `carry` (a pytree of model state that is not differentiated, e.g. `jaxamp.nnx`'s BatchNorm statistics and RNG
+    counts), `loss_fn(params, batch, rng, carry)` returns `(loss | (loss, aux), new_carry)`.
     """
     train_c, frozen_c, fp8 = params_c
 
     def scaled_loss(train, fp8_scaled):
         params = merge_fp8(merge_frozen(train, frozen_c), fp8_scaled)
-        loss, aux = _split_loss(loss_fn(params, batch, rng))
-        return loss_scale.scale(loss), (loss, aux)
+        if carry is None:
+            out, new_carry = loss_fn(params, batch, rng), None
+        else:
+            out, new_carry = loss_fn(params, batch, rng, carry)
+        loss, aux = _split_loss(out)
+        return loss_scale.scale(loss), (loss, aux, new_carry)
 
-    (grads_c, fp8_new), (loss, aux) = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)(
+    (grads_c, fp8_new), (loss, aux, new_carry) = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)(
         train_c, _fp8_in_scaled_units(fp8, loss_scale))
-    return grads_c, loss, aux, _fp8_in_scaled_units(fp8_new, loss_scale, inverse=True)
+    return grads_c, loss, aux, _fp8_in_scaled_units(fp8_new, loss_scale, inverse=True), new_carry
 
 
 def _split_micro(batch: PyTree, accum_steps: int) -> PyTree:
@@ -144,28 +151,30 @@ def _split_micro(batch: PyTree, accum_steps: int) -> PyTree:
     return jax.tree.map(split, batch)
 
 
-def _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps: int, with_stats: bool) -> _Grads:
+def _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps: int, with_stats: bool, carry=None) -> _Grads:
     """Float32 unscaled gradients of the trainable params, averaged over `accum_steps` micro-batches (one lax.scan,
     float32 accumulator), and the FP8 collection's new values (over micro-batches: the element-wise maximum, i.e.
-    the newest amax history with the largest amax of the micro-batches, and the largest scale)."""
+    the newest amax history with the largest amax of the micro-batches, and the largest scale). A stateful
+    `loss_fn`'s `carry` (see `_micro_grads`) runs through the micro-batches in order."""
     regular, fp8 = split_fp8(state.params)
     train_c, frozen_c = split_frozen(state.policy.cast_to_compute(regular), state.trainable)
     params_c = (train_c, frozen_c, fp8)
     stats_of = underflow_stats if with_stats else (lambda g: None)
     if accum_steps == 1:
-        grads_c, loss, aux, fp8_new = _micro_grads(loss_fn, loss_scale, params_c, batch, rng)
-        return _Grads(loss_scale.unscale(grads_c), loss, aux, stats_of(grads_c), fp8_new)
+        grads_c, loss, aux, fp8_new, carry = _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry)
+        return _Grads(loss_scale.unscale(grads_c), loss, aux, stats_of(grads_c), fp8_new, carry)
 
-    def body(carry, xs):
-        acc, loss_sum, stats_acc, fp8_acc = carry
+    def body(scan_carry, xs):
+        acc, loss_sum, stats_acc, fp8_acc, carry = scan_carry
         micro, i = xs
-        grads_c, loss, aux, fp8_new = _micro_grads(loss_fn, loss_scale, params_c, micro, jax.random.fold_in(rng, i))
+        grads_c, loss, aux, fp8_new, carry = _micro_grads(loss_fn, loss_scale, params_c, micro,
+                                                          jax.random.fold_in(rng, i), carry)
         acc = jax.tree.map(jnp.add, acc, loss_scale.unscale(grads_c))
         fp8_acc = jax.tree.map(jnp.maximum, fp8_acc, fp8_new)  # None without FP8 ops
         stats = stats_of(grads_c)
         if stats is not None:
             stats = stats if stats_acc is None else _combine_stats(stats_acc, stats)
-        return (acc, loss_sum + loss, stats, fp8_acc), aux
+        return (acc, loss_sum + loss, stats, fp8_acc, carry), aux
 
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), state.trainable_params())
     fp8_zeros = jax.tree.map(jnp.zeros_like, fp8)  # scales > 0 and amax >= 0: 0 is the identity of the maximum
@@ -174,13 +183,13 @@ def _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps: int, with_st
         shapes = jax.eval_shape(underflow_stats, train_c)
         init_stats = {k: jax.tree.map(lambda s, k=k: jnp.full(s.shape, 0.0 if "zero" in k else jnp.inf, s.dtype), v)
                       for k, v in shapes.items()}
-    (acc, loss_sum, stats, fp8_new), aux = jax.lax.scan(
-        body, (zeros, jnp.zeros((), jnp.float32), init_stats, fp8_zeros),
+    (acc, loss_sum, stats, fp8_new, carry), aux = jax.lax.scan(
+        body, (zeros, jnp.zeros((), jnp.float32), init_stats, fp8_zeros, carry),
         (_split_micro(batch, accum_steps), jnp.arange(accum_steps)))
     if stats is not None:
         stats = {k: (jax.tree.map(lambda v: v / accum_steps, v) if "zero" in k else v) for k, v in stats.items()}
     grads = jax.tree.map(lambda g: g / accum_steps, acc)
-    return _Grads(grads, loss_sum / accum_steps, aux, stats, fp8_new)
+    return _Grads(grads, loss_sum / accum_steps, aux, stats, fp8_new, carry)
 
 
 def _combine_stats(acc: dict, new: dict) -> dict:
@@ -188,8 +197,10 @@ def _combine_stats(acc: dict, new: dict) -> dict:
     return {k: jax.tree.map(jnp.add if "zero" in k else jnp.minimum, acc[k], new[k]) for k in acc}
 
 
-def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries):
+def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries, carry=None):
     """Backs the scale off and recomputes the same batch until the gradients are finite (`lax.while_loop`).
+
+    Every attempt starts from the same `rng` and `carry`, so a retried batch draws the same dropout masks.
 
     After the first non-finite attempt (with a finite loss) one probe runs at the lowest scale `backoff` can reach:
     if the gradients are not finite even there, the scale is not the cause (e.g. a NaN from `sqrt(0)`'s derivative)
@@ -198,7 +209,7 @@ def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries):
     """
 
     def attempt(loss_scale):
-        g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, with_stats)
+        g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, with_stats, carry)
         return g, _check_grads(g.grads, g.fp8)
 
     def can_lower(loss_scale):
@@ -300,6 +311,30 @@ def train_step(
         differ in leading size or `accum_steps` does not divide it, a bad `on_overflow`/`accum_steps`/`max_retries`,
         or a traced (non-static) option under `jax.jit`.
     """
+    new_state, metrics, _ = train_step_with_carry(state, batch, loss_fn, None, accum_steps=accum_steps,
+                                                  on_overflow=on_overflow, max_retries=max_retries,
+                                                  underflow_stats=underflow_stats)
+    return new_state, metrics
+
+
+def train_step_with_carry(state: TrainState, batch: PyTree, loss_fn: Callable, carry: PyTree, *,
+                          accum_steps: int = 1, on_overflow: str = "skip", max_retries: int = 4,
+                          underflow_stats: bool = False) -> tuple[TrainState, dict, PyTree]:
+    """`train_step` for a stateful loss: the model state that is not differentiated runs through the step.
+
+    The building block of `jaxamp.nnx.train_step` (BatchNorm statistics, RNG counts). `loss_fn(params, batch, rng,
+    carry)` returns `(loss | (loss, aux), new_carry)` with `new_carry` shaped like `carry`. The micro-batches of
+    `accum_steps` run in order, each from the previous one's carry; every attempt of `on_overflow="retry"` starts
+    from the given carry (so a retried batch draws the same randomness). The carry is returned whatever the finite
+    flag says: what to keep on a skipped step is the caller's decision. With `carry=None` this is `train_step`
+    (`loss_fn(params, batch, rng)`, no carry returned: None).
+
+    Returns:
+      `(new_state, metrics, new_carry)`: as `train_step`, plus the carry after the step's (last attempt's) pass.
+
+    Raises:
+      ValueError: as `train_step`.
+    """
     for name, value in (("accum_steps", accum_steps), ("max_retries", max_retries),
                         ("underflow_stats", underflow_stats)):
         if isinstance(value, jax.core.Tracer):
@@ -315,10 +350,10 @@ def train_step(
     rng = jax.random.fold_in(state.rng, state.step)
     if on_overflow == "retry":
         loss_scale, g, check, retries, futile = _retry(state, batch, loss_fn, rng, accum_steps, underflow_stats,
-                                                       max_retries)
+                                                       max_retries, carry)
     else:
         loss_scale, retries = state.loss_scale, jnp.zeros((), jnp.int32)
-        g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, underflow_stats)
+        g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, underflow_stats, carry)
         check = _check_grads(g.grads, g.fp8)  # the one finite check and the norm metric, one pass over the gradients
     grads_finite = check.finite
     regular, fp8 = split_fp8(state.params)
@@ -355,7 +390,7 @@ def train_step(
         metrics["aux"] = g.aux
     if g.stats is not None:
         metrics["underflow"] = g.stats
-    return new_state, metrics
+    return new_state, metrics, g.carry
 
 
 def eval_step(state: TrainState, batch: PyTree, loss_fn: LossFn) -> dict:

@@ -1,0 +1,284 @@
+"""Flax NNX models under jaxamp: an `Optimizer` that holds the optax state and the loss scale, and an in-place
+`train_step(model, opt, batch, loss_fn)` built on the functional `jaxamp.train_step`.
+
+    from flax import nnx
+    from jaxamp import DynamicLossScale
+    from jaxamp.nnx import Optimizer, train_step
+
+    opt = Optimizer(model, optax.adamw(1e-3), policy="fp16", loss_scale=DynamicLossScale())
+
+    @nnx.jit(donate_argnames=("model", "opt"))
+    def step(model, opt, batch):
+        return train_step(model, opt, batch, loss_fn)    # loss_fn(model, batch) -> loss | (loss, aux)
+
+How it sits on the functional core. Inside the traced step the model is split into its `wrt` variables (the
+master weights, `TrainState.params`) and everything else (BatchNorm statistics, RNG keys and counts, Params outside
+`wrt`, any other `nnx.Variable`). The optimizer's fields and those params make a `TrainState`, and
+`jaxamp.step.train_step_with_carry` runs the step of `jaxamp.train_step`: same order of operations, same metrics,
+with the non-`wrt` state as a carry that `loss_fn` may change. Its `loss_fn(params, batch, rng, carry)` merges the
+compute-dtype params with the carry into a fresh model (`nnx.merge`, inside the differentiated function, so NNX's
+mutations happen at the trace that owns the variables) and calls the user's `loss_fn(model, batch)`. The new params,
+optimizer state, loss scale and step go back into `opt`, the new params and carry into `model`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import jmp
+import optax
+from flax.nnx.training.optimizer import OptArray, OptState, to_opt_state
+
+from jaxamp.loss_scale import LossScale
+from jaxamp.state import TrainState
+from jaxamp.step import train_step_with_carry
+
+__all__ = ["Optimizer", "train_step"]
+
+PyTree = Any
+_RNG = (2,)  # TrainState.rng's shape: unused here (randomness comes from the model's nnx.Rngs), kept constant
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _values(tree: PyTree) -> PyTree:
+    """`tree` with every `nnx.Variable` replaced by its value (`nnx.as_pure`)."""
+    return nnx.as_pure(tree)
+
+
+def _assign(variables: PyTree, values: PyTree) -> None:
+    """Sets each `nnx.Variable` of `variables` to the array at the same place in `values`."""
+    jax.tree.map(lambda var, x: var.set_value(x), variables, values, is_leaf=_is_variable)
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, nnx.Module):
+        raise ValueError(f"model must be a flax.nnx Module, got {type(model).__name__}; for a linen model use "
+                         "jaxamp.TrainState.create and jaxamp.train_step")
+
+
+class Optimizer(nnx.Pytree):
+    """The optax state, the loss scale and the step counter of an NNX model's mixed-precision training.
+
+    Like `nnx.Optimizer` (it does not hold the model; `train_step` takes both), with jaxamp's policy and loss
+    scale. Every array is an `nnx.Variable` (`OptState`/`OptArray`, Flax's optimizer variable types), so
+    `nnx.state(opt)` holds the whole optimizer (save it with orbax, restore with `nnx.update(opt, restored)`), and
+    `nnx.jit` carries its updates out of a jitted step.
+
+    Attributes:
+      step: an `OptState` of i32[]: `train_step` calls so far (skipped steps included), as `TrainState.step`.
+      opt_state: the optax state of `tx` for the trainable `wrt` variables (leaves wrapped in `OptArray`).
+      loss_scale: the loss scale, its array leaves wrapped in `OptArray` (`train_state(model).loss_scale` gives
+        the plain one).
+      tx, policy, wrt, trainable: static: the optax transformation, the `jmp.Policy`, the filter of the
+        variables this optimizer trains, and the trainable mask (None, or one bool per `wrt` leaf).
+    """
+
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, policy: jmp.Policy | str,
+                 loss_scale: LossScale, wrt: Any = nnx.Param,
+                 trainable: PyTree | Callable[[tuple, jax.Array], bool] | None = None):
+        """Initialises `tx` on the model's `wrt` variables and makes them master weights in the policy's dtype.
+
+        Args:
+          model: the `nnx.Module`. Its `wrt` variables are cast to the policy's param dtype in place (a no-op for
+            float32 weights under the presets).
+          tx: an optax transformation (clipping, schedules and weight decay inside it see unscaled gradients).
+          policy: a `jmp.Policy` or a spec `jaxamp.get_policy` accepts (`"fp16"`, `"bf16"`, `"fp32"`, with
+            `keep_float32` rules matched against paths such as `"encoder/embed/embedding"`).
+          loss_scale: a jaxamp `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`.
+          wrt: an NNX filter (`nnx.Param`, `nnx.All(nnx.Param, nnx.PathContains("head"))`, ...): the variables
+            this optimizer owns. They must be float arrays. `loss_fn` sees them in the compute dtype; all other
+            variables (Params outside `wrt` included) stay as they are, are not differentiated and are never
+            changed by the update (a way to freeze parts of the model, which then compute in their own dtype).
+          trainable: `TrainState.create`'s rule over the `wrt` variables (a bool tree or prefix keyed like
+            `nnx.state(model, wrt)`, or a callable `(path, leaf) -> bool`): frozen leaves are still cast to the
+            compute dtype but are not differentiated, hold no optimizer state and stay bitwise unchanged.
+
+        Raises:
+          ValueError: `model` is not an NNX module, `wrt` selects no variable or a non-float one, or any error of
+            `TrainState.create` (bad `tx`, `policy`, `loss_scale` or `trainable`).
+        """
+        _check_model(model)
+        params = _wrt_params(model, wrt)
+        state = TrainState.create(params=params, tx=tx, policy=policy, loss_scale=loss_scale,
+                                  rng=jnp.zeros(_RNG, jnp.uint32), trainable=trainable)
+        nnx.update(model, state.params)  # master weights in the policy's param dtype (no copy when they are)
+        self.tx, self.policy, self.wrt, self.trainable = tx, state.policy, wrt, state.trainable
+        self.params_structure = jax.tree.structure(state.params)
+        self.step = OptState(state.step)
+        self.opt_state = nnx.data(to_opt_state(state.opt_state))
+        self.loss_scale = nnx.data(jax.tree.map(OptArray, state.loss_scale))
+
+    def train_state(self, model: nnx.Module, *, whole_model: bool = False) -> TrainState:
+        """This optimizer and `model`'s `wrt` variables as a jaxamp `TrainState` (plain arrays, no copies).
+
+        Args:
+          model: the model this optimizer was built for.
+          whole_model: put all of `nnx.state(model)` into `params` (BatchNorm statistics and RNG state too): the
+            form to save with `jaxamp.checkpoint.Checkpointer`, restored with `load_train_state`. Such a state is
+            for checkpoints only (its `trainable` is None and `params` holds non-float leaves), not for
+            `jaxamp.train_step`.
+
+        Returns:
+          A `TrainState` whose `rng` is a constant (NNX models draw from their own `nnx.Rngs`).
+
+        Raises:
+          ValueError: `model`'s `wrt` variables do not match this optimizer (another model).
+        """
+        params = _values(nnx.state(model)) if whole_model else self._params_of(model)
+        return TrainState(step=self.step.get_value(), params=params, opt_state=_values(self.opt_state),
+                          loss_scale=_values(self.loss_scale), rng=jnp.zeros(_RNG, jnp.uint32), tx=self.tx,
+                          policy=self.policy, trainable=None if whole_model else self.trainable)
+
+    def load_train_state(self, model: nnx.Module, state: TrainState) -> None:
+        """Writes a `train_state(model, whole_model=True)`-shaped state (e.g. restored from a checkpoint) into
+        `model` and this optimizer, in place. (`train_state(model)`'s `wrt`-only form loads as well.)"""
+        nnx.update(model, state.params)
+        self._load(state)
+
+    def _params_of(self, model) -> PyTree:
+        params = _wrt_params(model, self.wrt)
+        if jax.tree.structure(params) != self.params_structure:
+            raise ValueError("the model's wrt variables do not match this Optimizer's (another model, or a model "
+                             "whose structure changed); build the Optimizer from this model")
+        return params
+
+    def _load(self, state: TrainState) -> None:
+        """Sets step, opt_state and loss scale from `state` (arrays shaped as this optimizer's)."""
+        self.step.set_value(state.step)
+        _assign(self.opt_state, state.opt_state)
+        _assign(self.loss_scale, state.loss_scale)
+
+
+def _wrt_params(model, wrt) -> PyTree:
+    """`nnx.state(model, wrt)` as plain arrays; raises on an empty selection or a non-float variable."""
+    params = _values(nnx.state(model, wrt))
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    if not flat:
+        raise ValueError(f"wrt={wrt!r} selects no variable of the model: pass nnx.Param (the default) or a filter "
+                         "that matches its weights")
+    for path, x in flat:
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            raise ValueError(f"wrt={wrt!r} selects {jax.tree_util.keystr(path)} of dtype {jnp.result_type(x)}: "
+                             "only float variables can train; narrow wrt, e.g. to nnx.Param")
+    return params
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The step.
+
+
+def _keep_finite(new: PyTree, old: PyTree) -> PyTree:
+    """`new`, with every floating leaf that holds a non-finite element replaced by its `old` value (bitwise)."""
+
+    def keep(n, o):
+        if not jnp.issubdtype(jnp.result_type(n), jnp.floating):
+            return n
+        return jax.lax.select(jnp.all(jnp.isfinite(n)), n, o)
+
+    return jax.tree.map(keep, new, old)
+
+
+def _like(new: PyTree, old: PyTree) -> PyTree:
+    """`new` with every leaf in `old`'s dtype (BatchNorm updated from float16 activations stays float32), or a
+    one-line error when `loss_fn` changed the model's structure."""
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        raise ValueError("loss_fn changed the structure of the model's state (e.g. Module.sow or a new attribute); "
+                         "remove such entries before returning (nnx.pop(model, nnx.Intermediate))")
+    return jax.tree.map(lambda n, o: n if n.dtype == o.dtype else n.astype(o.dtype), new, old)
+
+
+def _step_in_place(model, opt: Optimizer, batch, loss_fn, options: dict) -> dict:
+    """The traced step: split, `train_step_with_carry`, write back. Returns the metrics."""
+    graphdef, _, rest = nnx.split(model, opt.wrt, ...)
+    rest = _values(rest)
+    state = opt.train_state(model)
+
+    def functional_loss(params_c, batch, rng, carry):
+        del rng  # NNX modules draw from their own nnx.Rngs streams (carried in `carry`)
+        inner = nnx.merge(graphdef, params_c, carry)  # fresh variables at this trace level
+        out = loss_fn(inner, batch)
+        return out, _like(_values(nnx.split(inner, opt.wrt, ...)[2]), carry)
+
+    new_state, metrics, new_rest = train_step_with_carry(state, batch, functional_loss, rest, **options)
+    nnx.update(model, new_state.params, _keep_finite(new_rest, rest))
+    opt._load(new_state)  # pylint: disable=protected-access
+    return metrics
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss_fn", "accum_steps", "on_overflow", "max_retries",
+                                              "underflow_stats"))
+def _jitted_step(graphdef, state, batch, loss_fn, accum_steps, on_overflow, max_retries, underflow_stats):
+    """The split/merge fast path: one compiled step per (graph structure, loss_fn, options, batch shapes)."""
+    model, opt = nnx.merge(graphdef, state)
+    metrics = _step_in_place(model, opt, batch, loss_fn, dict(
+        accum_steps=accum_steps, on_overflow=on_overflow, max_retries=max_retries, underflow_stats=underflow_stats))
+    return nnx.state((model, opt)), metrics
+
+
+def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callable[[nnx.Module, PyTree], Any], *,
+               accum_steps: int = 1, on_overflow: str = "skip", max_retries: int = 4,
+               underflow_stats: bool = False) -> dict:
+    """One mixed-precision optimizer step of an NNX model, in place: `model` and `opt` are updated.
+
+    `jaxamp.train_step`'s step (see it for the order of operations, `accum_steps`, `on_overflow` and
+    `underflow_stats`), run on the model's `wrt` variables: cast to the compute dtype, loss in float32, scaled,
+    differentiated, unscaled in float32, one finite check, the optax update, new or old params and optimizer state
+    selected by the finite flag, the loss scale adjusted once, `opt.step` advanced. Afterwards the `wrt` variables
+    are master weights in the policy's param dtype again (float32 under the presets).
+
+    The rest of the model's state (BatchNorm statistics, `nnx.Rngs` keys and counts, any other variable that
+    `loss_fn` changes) runs through the step as a carry:
+
+    - a skipped step (non-finite gradients) leaves the `wrt` variables and the optax state bitwise unchanged and
+      backs the scale off, but keeps its BatchNorm statistics and RNG counts, as torch.amp does (the forward pass
+      ran and consumed its randomness), except that a float variable whose new value is not finite (an inf batch
+      through BatchNorm) keeps its old value bitwise: a non-finite running statistic would poison every later step;
+    - every attempt of `on_overflow="retry"` starts from the state before the step, so a retried batch draws the
+      same dropout masks; the state of the last attempt is kept (RNG counts advance once);
+    - with `accum_steps` > 1 the micro-batches run in order, each from the state the previous one left (each draws
+      new dropout masks; BatchNorm statistics update once per micro-batch, as k forward passes would).
+
+    Called outside any trace, the step runs through one cached `jax.jit` (NNX's split/merge fast path: the graph is
+    split in Python, the compiled step reads and returns plain arrays, the model and optimizer are updated from
+    them), so a plain loop `for batch in data: train_step(model, opt, batch, loss_fn)` compiles once. Under
+    `nnx.jit` (or `jax.jit` after `nnx.merge`) the same function is inlined into the caller's trace; use
+    `nnx.jit(step, donate_argnames=("model", "opt"))` to donate the model and optimizer buffers (the fast path does
+    not donate, so arrays read from the model earlier stay valid).
+
+    Args:
+      model: the `nnx.Module` that `opt` was built for.
+      opt: its `jaxamp.nnx.Optimizer`.
+      batch: any pytree; passed to `loss_fn` (split by rows under accumulation, as for `jaxamp.train_step`).
+      loss_fn: `loss_fn(model, batch) -> loss | (loss, aux)`; `model` has its `wrt` variables in the compute dtype
+        (cast float inputs yourself, e.g. `x.astype(jnp.float16)`); its Dropout draws from the model's own
+        `nnx.Rngs`, its BatchNorm updates its statistics (in train mode: `model.train()`). A static cache key:
+        define it once, not as a fresh lambda per call. It must not change the model's structure.
+      accum_steps, on_overflow, max_retries, underflow_stats: as for `jaxamp.train_step`.
+
+    Returns:
+      The metrics of `jaxamp.train_step` (same keys: `loss`, `loss_finite`, `grad_norm`, `loss_scale`,
+      `grads_finite`, `grads_finite_leaves` keyed like `nnx.state(model, opt.wrt)`, `retries`, and `aux`,
+      `underflow`, `nonfinite_at_min_scale` where they apply).
+
+    Raises:
+      ValueError: `model` is not an NNX module, `opt` is not a `jaxamp.nnx.Optimizer` or was built for another
+        model, `loss_fn` changed the model's structure, or any error of `jaxamp.train_step`.
+    """
+    _check_model(model)
+    if not isinstance(opt, Optimizer):
+        raise ValueError(f"opt must be a jaxamp.nnx.Optimizer(model, tx, policy=..., loss_scale=...), got "
+                         f"{type(opt).__name__}")
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a function loss_fn(model, batch), got {type(loss_fn).__name__}")
+    graphdef, state = nnx.split((model, opt))
+    new_state, metrics = _jitted_step(graphdef, state, batch, loss_fn, accum_steps, on_overflow, max_retries,
+                                      underflow_stats)
+    nnx.update((model, opt), new_state)
+    return metrics
