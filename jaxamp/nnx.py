@@ -52,6 +52,11 @@ def _values(tree: PyTree) -> PyTree:
     return nnx.as_pure(tree)
 
 
+def _pure(state: nnx.State) -> dict:
+    """An `nnx.State` as nested dicts of arrays, keyed like the model's attributes (`{"l1": {"kernel": ...}}`)."""
+    return nnx.to_pure_dict(state)
+
+
 def _assign(variables: PyTree, values: PyTree) -> None:
     """Sets each `nnx.Variable` of `variables` to the array at the same place in `values`."""
     jax.tree.map(lambda var, x: var.set_value(x), variables, values, is_leaf=_is_variable)
@@ -131,7 +136,7 @@ class Optimizer(nnx.Pytree):
         Raises:
           ValueError: `model`'s `wrt` variables do not match this optimizer (another model).
         """
-        params = _values(nnx.state(model)) if whole_model else self._params_of(model)
+        params = _pure(nnx.state(model)) if whole_model else self._params_of(model)
         return TrainState(step=self.step.get_value(), params=params, opt_state=_values(self.opt_state),
                           loss_scale=_values(self.loss_scale), rng=jnp.zeros(_RNG, jnp.uint32), tx=self.tx,
                           policy=self.policy, trainable=None if whole_model else self.trainable)
@@ -158,7 +163,7 @@ class Optimizer(nnx.Pytree):
 
 def _wrt_params(model, wrt) -> PyTree:
     """`nnx.state(model, wrt)` as plain arrays; raises on an empty selection or a non-float variable."""
-    params = _values(nnx.state(model, wrt))
+    params = _pure(nnx.state(model, wrt))
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     if not flat:
         raise ValueError(f"wrt={wrt!r} selects no variable of the model: pass nnx.Param (the default) or a filter "
@@ -189,22 +194,23 @@ def _like(new: PyTree, old: PyTree) -> PyTree:
     """`new` with every leaf in `old`'s dtype (BatchNorm updated from float16 activations stays float32), or a
     one-line error when `loss_fn` changed the model's structure."""
     if jax.tree.structure(new) != jax.tree.structure(old):
-        raise ValueError("loss_fn changed the structure of the model's state (e.g. Module.sow or a new attribute); "
-                         "remove such entries before returning (nnx.pop(model, nnx.Intermediate))")
+        raise ValueError("loss_fn changed the structure of the model's state (a new attribute or variable, or "
+                         "Module.sow outside nnx.capture); remove such entries before it returns, e.g. "
+                         "nnx.pop(model, nnx.Intermediate)")
     return jax.tree.map(lambda n, o: n if n.dtype == o.dtype else n.astype(o.dtype), new, old)
 
 
 def _step_in_place(model, opt: Optimizer, batch, loss_fn, options: dict) -> dict:
     """The traced step: split, `train_step_with_carry`, write back. Returns the metrics."""
     graphdef, _, rest = nnx.split(model, opt.wrt, ...)
-    rest = _values(rest)
+    rest = _pure(rest)
     state = opt.train_state(model)
 
     def functional_loss(params_c, batch, rng, carry):
         del rng  # NNX modules draw from their own nnx.Rngs streams (carried in `carry`)
         inner = nnx.merge(graphdef, params_c, carry)  # fresh variables at this trace level
         out = loss_fn(inner, batch)
-        return out, _like(_values(nnx.split(inner, opt.wrt, ...)[2]), carry)
+        return out, _like(_pure(nnx.split(inner, opt.wrt, ...)[2]), carry)
 
     new_state, metrics, new_rest = train_step_with_carry(state, batch, functional_loss, rest, **options)
     nnx.update(model, new_state.params, _keep_finite(new_rest, rest))

@@ -93,13 +93,12 @@ def test_fp16_training_with_batchnorm_and_dropout_under_nnx_jit():
     assert int(opt.step[...]) == 30
     # Dropout drew from the model's own stream once per step, and is active: two train-mode passes differ.
     assert int(model.drop.rngs.count[...]) == 30
-    x = make_batch(0)["x"][:8].astype(F16)
+    forward = nnx.jit(lambda model, x: model(x))
+    x = make_batch(0)["x"][:8]
     with jax.numpy_dtype_promotion("standard"):
-        params16 = jax.tree.map(lambda p: p.astype(F16), pure(nnx.state(model, nnx.Param)))
-        probe = nnx.merge(nnx.graphdef(model), params16, pure(nnx.state(model, nnx.Not(nnx.Param))))
-        a, b = probe(x), probe(x)
-        probe.eval()
-        c, d = probe(x), probe(x)
+        a, b = forward(model, x), forward(model, x)
+        model.eval()
+        c, d = forward(model, x), forward(model, x)
     assert not np.array_equal(np.asarray(a), np.asarray(b)) and np.array_equal(np.asarray(c), np.asarray(d))
     # BatchNorm's running statistics moved and stayed float32.
     assert model.bn.mean[...].dtype == jnp.float32
@@ -204,3 +203,165 @@ def test_fp32_noop_equals_nnx_optimizer_and_value_and_grad():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(pure(opt.opt_state)), jax.tree.leaves(pure(plain_opt.opt_state))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
+
+
+def run_steps(model, opt, start, n):
+    for i in range(start, start + n):
+        train_step(model, opt, make_batch(i % 6), loss_fn)
+
+
+def fresh(seed):
+    model = make_model(seed, bn_dtype=F16)
+    return model, Optimizer(model, TX, policy="fp16", loss_scale=DynamicLossScale(2.0**10, growth_interval=2))
+
+
+TX = optax.adamw(1e-2, weight_decay=0.1)
+
+
+def test_orbax_and_jaxamp_checkpointer_round_trips_continue_bitwise(tmp_path):
+    model, opt = fresh(0)
+    run_steps(model, opt, 0, 3)
+    saver = ocp.StandardCheckpointer()
+    saver.save(tmp_path / "model", nnx.state(model))
+    saver.save(tmp_path / "opt", nnx.state(opt))
+    saver.wait_until_finished()
+    with Checkpointer(tmp_path / "jaxamp") as ckpt:
+        assert ckpt.save(opt.train_state(model, whole_model=True), {"run": "nnx"})
+    run_steps(model, opt, 3, 3)
+    expected = bits((nnx.state(model), nnx.state(opt)))
+
+    model_b, opt_b = fresh(7)  # other weights, other RNG seeds: everything must come from the checkpoint
+    nnx.update(model_b, saver.restore(tmp_path / "model", nnx.state(model_b)))
+    nnx.update(opt_b, saver.restore(tmp_path / "opt", nnx.state(opt_b)))
+    run_steps(model_b, opt_b, 3, 3)
+    assert bits((nnx.state(model_b), nnx.state(opt_b))) == expected
+
+    model_c, opt_c = fresh(8)
+    state, config = Checkpointer(tmp_path / "jaxamp").restore(opt_c.train_state(model_c, whole_model=True))
+    assert config == {"run": "nnx"} and int(state.step) == 3
+    opt_c.load_train_state(model_c, state)
+    run_steps(model_c, opt_c, 3, 3)
+    assert bits((nnx.state(model_c), nnx.state(opt_c))) == expected
+
+
+@pytest.mark.parametrize("how", ["wrt", "trainable"])
+def test_a_frozen_sub_module_stays_bitwise_unchanged(how):
+    model = make_model(bn_dtype=F16)
+    if how == "wrt":  # l1 outside the optimizer: not cast, not differentiated, no optimizer state
+        opt = Optimizer(model, adam(), policy="fp16", loss_scale=DynamicLossScale(2.0**10),
+                        wrt=nnx.All(nnx.Param, nnx.Not(nnx.PathContains("l1"))))
+    else:  # l1 in the compute dtype, not differentiated, no optimizer state (TrainState.create's rule)
+        opt = Optimizer(model, adam(), policy="fp16", loss_scale=DynamicLossScale(2.0**10), trainable={"bn": True, "l1": False, "l2": True})
+    seen = []
+
+    def spy_loss(model, batch):
+        seen.append(model.l1.kernel.dtype)
+        return loss_fn(model, batch)
+
+    frozen, trained = bits(nnx.state(model.l1)), bits(nnx.state(model.l2))
+    for i in range(3):
+        metrics = train_step(model, opt, make_batch(i), spy_loss)
+        assert bool(metrics["grads_finite"])
+    assert bits(nnx.state(model.l1)) == frozen and bits(nnx.state(model.l2)) != trained
+    assert seen == [jnp.dtype(jnp.float32 if how == "wrt" else F16)]  # one trace
+    state = opt.train_state(model)
+    assert ("l1" in state.params) == (how == "trainable")
+    mu = state.opt_state[0].mu
+    assert mu.get("l1") is None or jax.tree.leaves(mu["l1"]) == []  # no optimizer state for the frozen part
+    assert jax.tree.leaves(metrics["grads_finite_leaves"].get("l1", {})) == []
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm(name="norm")(nn.relu(nn.Dense(32, name="l1")(x)))
+        return nn.Dense(2, name="l2")(x)
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1, self.norm, self.l2 = nnx.Linear(4, 32, rngs=rngs), nnx.LayerNorm(32, rngs=rngs), nnx.Linear(32, 2,
+                                                                                                           rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.norm(nnx.relu(self.l1(x))))
+
+
+def linen_loss(params, batch, rng):
+    del rng
+    with jax.numpy_dtype_promotion("standard"):  # Flax's LayerNorm promotes to float32 for its statistics
+        out = LinenMLP().apply({"params": params}, batch["x"].astype(params["l1"]["kernel"].dtype))
+    return jnp.mean((out.astype(jnp.float32) - batch["y"]) ** 2)
+
+
+def nnx_loss(model, batch):
+    with jax.numpy_dtype_promotion("standard"):
+        out = model(batch["x"].astype(model.l1.kernel.dtype))
+    return jnp.mean((out.astype(jnp.float32) - batch["y"]) ** 2)
+
+
+def test_the_same_weights_as_linen_and_nnx_give_the_same_fp16_losses():
+    params = LinenMLP().init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+    model = NnxMLP(nnx.Rngs(1))
+    nnx.update(model, params)  # the same weights: linen's names are the NNX attribute names here
+    assert bits(nnx.state(model, nnx.Param)) == bits(params)
+    state = TrainState.create(params=params, tx=TX, policy="fp16", loss_scale=DynamicLossScale(2.0**14),
+                              rng=jax.random.key(0))
+    opt = Optimizer(model, TX, policy="fp16", loss_scale=DynamicLossScale(2.0**14))
+    step = jax.jit(functional_train_step, static_argnames="loss_fn")
+    for i in range(5):
+        state, linen_metrics = step(state, make_batch(i), linen_loss)
+        nnx_metrics = train_step(model, opt, make_batch(i), nnx_loss)
+        assert float(nnx_metrics["loss"]) == float(linen_metrics["loss"]), i
+        assert float(nnx_metrics["loss_scale"]) == float(linen_metrics["loss_scale"])
+    for a, b in zip(jax.tree.leaves(pure(nnx.state(model, nnx.Param))), jax.tree.leaves(state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_metrics_have_the_functional_steps_keys_and_shapes():
+    options = dict(on_overflow="retry", underflow_stats=True)
+    params = LinenMLP().init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+    state = TrainState.create(params=params, tx=TX, policy="fp16", loss_scale=DynamicLossScale(2.0**14),
+                              rng=jax.random.key(0))
+    model = NnxMLP(nnx.Rngs(1))
+    opt = Optimizer(model, TX, policy="fp16", loss_scale=DynamicLossScale(2.0**14))
+
+    def with_aux(loss):
+        return lambda *args: (loss(*args), {"n": jnp.ones((3,))})
+
+    _, expected = jax.jit(functional_train_step, static_argnames=("loss_fn", *options))(
+        state, make_batch(0), with_aux(linen_loss), **options)
+    metrics = train_step(model, opt, make_batch(0), with_aux(nnx_loss), **options)
+    assert sorted(metrics) == sorted(expected)
+    assert jax.tree.structure(metrics) == jax.tree.structure(expected)  # per-leaf trees keyed by path
+    assert [x.shape for x in jax.tree.leaves(metrics)] == [x.shape for x in jax.tree.leaves(expected)]
+
+
+def test_bad_inputs_get_one_line_errors_that_name_the_fix():
+    model = make_model()
+    kw = dict(policy="fp16", loss_scale=DynamicLossScale())
+    with pytest.raises(ValueError, match="flax.nnx Module.*linen model use jaxamp.TrainState"):
+        Optimizer(pure(nnx.state(model, nnx.Param)), adam(), **kw)
+    with pytest.raises(ValueError, match="selects no variable.*nnx.Param"):
+        Optimizer(model, adam(), wrt=nnx.PathContains("decoder"), **kw)
+    with pytest.raises(ValueError, match=r"selects \['drop'\]\['rngs'\]\['count'\] of dtype uint32.*narrow wrt"):
+        Optimizer(model, adam(), wrt=nnx.Variable, **kw)
+    with pytest.raises(ValueError, match="trainable freezes every params leaf"):
+        Optimizer(model, adam(), trainable=False, **kw)
+    opt = Optimizer(model, adam(), **kw)
+    with pytest.raises(ValueError, match="jaxamp.nnx.Optimizer"):
+        with jax.numpy_dtype_promotion("standard"):
+            train_step(model, nnx.Optimizer(model, adam(), wrt=nnx.Param), make_batch(0), loss_fn)
+    with pytest.raises(ValueError, match="do not match this Optimizer"):
+        train_step(NnxMLP(nnx.Rngs(0)), opt, make_batch(0), nnx_loss)
+
+    def growing_loss(model, batch):
+        model.l2.seen = nnx.BatchStat(batch["x"])
+        return loss_fn(model, batch)
+
+    with pytest.raises(ValueError, match=r"changed the structure of the model's state.*new attribute"):
+        train_step(model, opt, make_batch(0), growing_loss)
+    before = bits(nnx.state(model))
+    with pytest.raises(ValueError, match="on_overflow"):
+        train_step(model, opt, make_batch(0), loss_fn, on_overflow="retyr")
+    assert bits(nnx.state(model)) == before  # a refused step changes nothing
