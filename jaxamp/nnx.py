@@ -23,7 +23,6 @@ optimizer state, loss scale and step go back into `opt`, the new params and carr
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import flax.nnx as nnx
@@ -218,19 +217,53 @@ def _step_in_place(model, opt: Optimizer, batch, loss_fn, options: dict) -> dict
     return metrics
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss_fn", "accum_steps", "on_overflow", "max_retries",
-                                              "underflow_stats"))
-def _jitted_step(graphdef, state, batch, loss_fn, accum_steps, on_overflow, max_retries, underflow_stats):
-    """The split/merge fast path: one compiled step per (graph structure, loss_fn, options, batch shapes)."""
-    model, opt = nnx.merge(graphdef, state)
+def _flatten(nodes, graph: bool):
+    """`(structure, arrays)` of `(model, opt)`: as a JAX pytree (`structure` a `PyTreeDef`: fast, in C++) or as an
+    NNX graph (`structure` a `GraphDef`: one Python traversal, which keeps a shared variable, a tied weight, once)."""
+    if graph:
+        return nnx.flatten(nodes, with_paths=False)
+    arrays, treedef = jax.tree.flatten(nodes)
+    return treedef, arrays
+
+
+def _unflatten(structure, arrays):
+    if isinstance(structure, jax.tree_util.PyTreeDef):
+        return jax.tree.unflatten(structure, arrays)
+    return nnx.unflatten(structure, arrays)
+
+
+def _step_arrays(structure, arrays, batch, loss_fn, accum_steps, on_overflow, max_retries, underflow_stats):
+    """The fast path: plain arrays in and out; one compiled step per (structure, loss_fn, options, batch shapes)."""
+    model, opt = _unflatten(structure, arrays)  # fresh variables at this trace level
     metrics = _step_in_place(model, opt, batch, loss_fn, dict(
         accum_steps=accum_steps, on_overflow=on_overflow, max_retries=max_retries, underflow_stats=underflow_stats))
-    return nnx.state((model, opt)), metrics
+    new_structure, new_arrays = _flatten((model, opt), graph=isinstance(structure, nnx.GraphDef))
+    if new_structure != structure:
+        raise ValueError("loss_fn changed the structure of the model (a new attribute or variable, or Module.sow "
+                         "outside nnx.capture); remove such entries before it returns")
+    return new_arrays, metrics
+
+
+_STATIC = ("structure", "loss_fn", "accum_steps", "on_overflow", "max_retries", "underflow_stats")
+_JITTED = {False: jax.jit(_step_arrays, static_argnames=_STATIC),
+           True: jax.jit(_step_arrays, static_argnames=_STATIC, donate_argnames="arrays")}
+
+
+def _arrays_of(nodes) -> tuple[Any, list, list]:
+    """`(structure, variables, arrays)` of `nodes`: the JAX pytree view (fast) unless a variable is shared (a tied
+    weight would appear twice in it) or holds more than one array; then NNX's graph view."""
+    variables = jax.tree.leaves(nodes, is_leaf=_is_variable)
+    if len({id(v) for v in variables}) == len(variables) and all(map(_is_variable, variables)):
+        structure, arrays = _flatten(nodes, graph=False)
+        if len(arrays) == len(variables):
+            return structure, variables, arrays
+    structure, flat = nnx.flatten(nodes, with_paths=True)
+    return structure, list(flat.leaves), [v.get_raw_value() for v in flat.leaves]
 
 
 def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callable[[nnx.Module, PyTree], Any], *,
                accum_steps: int = 1, on_overflow: str = "skip", max_retries: int = 4,
-               underflow_stats: bool = False) -> dict:
+               underflow_stats: bool = False, donate: bool = False) -> dict:
     """One mixed-precision optimizer step of an NNX model, in place: `model` and `opt` are updated.
 
     `jaxamp.train_step`'s step (see it for the order of operations, `accum_steps`, `on_overflow` and
@@ -251,12 +284,15 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
     - with `accum_steps` > 1 the micro-batches run in order, each from the state the previous one left (each draws
       new dropout masks; BatchNorm statistics update once per micro-batch, as k forward passes would).
 
-    Called outside any trace, the step runs through one cached `jax.jit` (NNX's split/merge fast path: the graph is
-    split in Python, the compiled step reads and returns plain arrays, the model and optimizer are updated from
-    them), so a plain loop `for batch in data: train_step(model, opt, batch, loss_fn)` compiles once. Under
-    `nnx.jit` (or `jax.jit` after `nnx.merge`) the same function is inlined into the caller's trace; use
-    `nnx.jit(step, donate_argnames=("model", "opt"))` to donate the model and optimizer buffers (the fast path does
-    not donate, so arrays read from the model earlier stay valid).
+    The step is compiled: every call goes through one cached `jax.jit` that takes and returns plain arrays (the
+    split/merge fast path of NNX's performance guide, with JAX's own pytree flattening of the model and optimizer,
+    or NNX's graph flattening where a variable is shared), and the new arrays are written back into the variables.
+    So a plain loop `for batch in data: train_step(model, opt, batch, loss_fn)` compiles once (a new loss-scale
+    value never retraces) and costs little Python per step. Inside `nnx.jit` (or any other trace) the same jitted
+    function is inlined into the caller's program, so `@nnx.jit(donate_argnames=("model", "opt"))` around it works
+    too, at the price of NNX's graph traversal per call.
+
+    Randomness: `loss_fn`'s model draws from the model's own `nnx.Rngs`; `TrainState.rng` plays no part.
 
     Args:
       model: the `nnx.Module` that `opt` was built for.
@@ -267,6 +303,9 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
         `nnx.Rngs`, its BatchNorm updates its statistics (in train mode: `model.train()`). A static cache key:
         define it once, not as a fresh lambda per call. It must not change the model's structure.
       accum_steps, on_overflow, max_retries, underflow_stats: as for `jaxamp.train_step`.
+      donate: donate the model's and optimizer's current arrays to the step, so their memory is reused for the new
+        ones (as `donate_argnums` does for the functional step). The variables receive the new arrays; arrays read
+        from them before the call are deleted. Off by default.
 
     Returns:
       The metrics of `jaxamp.train_step` (same keys: `loss`, `loss_finite`, `grad_norm`, `loss_scale`,
@@ -283,8 +322,9 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
                          f"{type(opt).__name__}")
     if not callable(loss_fn):
         raise ValueError(f"loss_fn must be a function loss_fn(model, batch), got {type(loss_fn).__name__}")
-    graphdef, state = nnx.split((model, opt))
-    new_state, metrics = _jitted_step(graphdef, state, batch, loss_fn, accum_steps, on_overflow, max_retries,
-                                      underflow_stats)
-    nnx.update((model, opt), new_state)
+    structure, variables, arrays = _arrays_of((model, opt))
+    new_arrays, metrics = _JITTED[bool(donate)](structure, arrays, batch, loss_fn, accum_steps, on_overflow,
+                                                max_retries, underflow_stats)
+    for variable, value in zip(variables, new_arrays):
+        variable.set_raw_value(value)
     return metrics

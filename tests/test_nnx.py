@@ -365,3 +365,40 @@ def test_bad_inputs_get_one_line_errors_that_name_the_fix():
     with pytest.raises(ValueError, match="on_overflow"):
         train_step(model, opt, make_batch(0), loss_fn, on_overflow="retyr")
     assert bits(nnx.state(model)) == before  # a refused step changes nothing
+
+
+class TiedMLP(nnx.Module):
+    """Two layers that share one kernel (a shared nnx.Variable, as a tied embedding and output head are)."""
+
+    def __init__(self, rngs):
+        self.a, self.b = nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 4, rngs=rngs)
+        self.b.kernel = self.a.kernel
+
+    def __call__(self, x):
+        return self.b(jnp.tanh(self.a(x)))
+
+
+def tied_loss(model, batch):
+    out = model(batch["x"].astype(model.a.kernel.dtype)).astype(jnp.float32)
+    return jnp.mean((out[:, :2] - batch["y"]) ** 2)
+
+
+def test_a_shared_variable_trains_once_and_donation_gives_the_same_step():
+    ours, plain, donated = TiedMLP(nnx.Rngs(0)), TiedMLP(nnx.Rngs(0)), TiedMLP(nnx.Rngs(0))
+    opt = Optimizer(ours, adam(), policy="fp32", loss_scale=NoOpLossScale())
+    opt_d = Optimizer(donated, adam(), policy="fp32", loss_scale=NoOpLossScale())
+    assert len(jax.tree.leaves(opt.opt_state[0].mu)) == 3  # the shared kernel has one optimizer state
+    with jax.numpy_dtype_promotion("standard"):
+        plain_opt = nnx.Optimizer(plain, adam(), wrt=nnx.Param)
+    for i in range(2):
+        train_step(ours, opt, make_batch(i), tied_loss)
+        old_kernel = donated.a.kernel.get_value()
+        train_step(donated, opt_d, make_batch(i), tied_loss, donate=True)
+        assert old_kernel.is_deleted() and not donated.a.kernel.get_value().is_deleted()
+        grads = nnx.grad(tied_loss)(plain, make_batch(i))
+        with jax.numpy_dtype_promotion("standard"):
+            plain_opt.update(plain, grads)
+    assert ours.b.kernel is ours.a.kernel  # still one variable
+    assert bits(nnx.state(donated)) == bits(nnx.state(ours)) and bits(opt_d.opt_state) == bits(opt.opt_state)
+    for a, b in zip(jax.tree.leaves(pure(nnx.state(ours))), jax.tree.leaves(pure(nnx.state(plain)))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
