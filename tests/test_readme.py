@@ -34,3 +34,28 @@ def test_readme_examples_run(tmp_path):
     losses = [float(s[0]) for s in steps] + [float(lines[3])]
     assert losses == sorted(losses, reverse=True), losses  # the loss falls, also on the 8-device mesh
     assert lines[4] == "restored 4 {'note': 'any JSON-able run config'}", lines
+
+
+def _section_blocks(heading: str) -> str:
+    """Every ```python block of the README section that starts at `heading`, in order."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    return "".join(re.findall(r"```python\n(.*?)```", section, re.S))
+
+
+def test_readme_nnx_examples_run(tmp_path):
+    """The NNX section's MLP, Transformer block and checkpoint examples, in one script (standard promotion: Flax's
+    BatchNorm and LayerNorm mix float16 with float32 inside)."""
+    script = tmp_path / "readme_nnx.py"
+    script.write_text(_section_blocks("## Flax NNX models"), encoding="utf-8")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 7, lines
+    mlp = [line.split() for line in lines[:3]]
+    assert [s[1:] for s in mlp] == [["True", "float32"]] * 3, lines  # finite steps, float32 master weights
+    for losses in ([float(s[0]) for s in mlp], [float(line) for line in lines[3:6]]):
+        assert losses == sorted(losses, reverse=True), lines  # MLP and Transformer block losses fall
+    assert lines[6] == "4 True True", lines  # restored model and optimizer continue exactly
