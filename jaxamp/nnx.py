@@ -112,7 +112,8 @@ class Optimizer(nnx.Pytree):
         params = _wrt_params(model, wrt)
         state = TrainState.create(params=params, tx=tx, policy=policy, loss_scale=loss_scale,
                                   rng=jnp.zeros(_RNG, jnp.uint32), trainable=trainable)
-        nnx.update(model, state.params)  # master weights in the policy's param dtype (no copy when they are)
+        if jax.tree.map(jnp.result_type, state.params) != jax.tree.map(jnp.result_type, params):
+            nnx.update(model, state.params)  # master weights in the policy's param dtype (written only if cast)
         self.tx, self.policy, self.wrt, self.trainable = tx, state.policy, wrt, state.trainable
         self.params_structure = jax.tree.structure(state.params)
         self.step = OptState(state.step)

@@ -402,3 +402,15 @@ def test_a_shared_variable_trains_once_and_donation_gives_the_same_step():
     assert bits(nnx.state(donated)) == bits(nnx.state(ours)) and bits(opt_d.opt_state) == bits(opt.opt_state)
     for a, b in zip(jax.tree.leaves(pure(nnx.state(ours))), jax.tree.leaves(pure(nnx.state(plain)))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_the_optimizer_makes_float32_master_weights_and_builds_under_eval_shape():
+    layer = nnx.Linear(4, 2, param_dtype=F16, rngs=nnx.Rngs(0))
+    Optimizer(layer, adam(), policy="fp16", loss_scale=DynamicLossScale())
+    assert layer.kernel.dtype == jnp.float32 and layer.bias.dtype == jnp.float32
+    model = make_model()
+    before = bits(nnx.state(model))
+    abstract = nnx.eval_shape(lambda: Optimizer(model, adam(), policy="fp16", loss_scale=DynamicLossScale()))
+    assert bits(nnx.state(model)) == before  # an abstract optimizer (an orbax restore target) leaves the model be
+    leaves = jax.tree.leaves(nnx.state(abstract))
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
