@@ -6,10 +6,12 @@
     from jaxamp.nnx import Optimizer, train_step
 
     opt = Optimizer(model, optax.adamw(1e-3), policy="fp16", loss_scale=DynamicLossScale())
+    for batch in batches:
+        metrics = train_step(model, opt, batch, loss_fn)  # loss_fn(model, batch) -> loss | (loss, aux); compiled
 
-    @nnx.jit(donate_argnames=("model", "opt"))
+    @nnx.jit(donate_argnames=("model", "opt"))           # or inside a jitted function of your own
     def step(model, opt, batch):
-        return train_step(model, opt, batch, loss_fn)    # loss_fn(model, batch) -> loss | (loss, aux)
+        return train_step(model, opt, batch, loss_fn)
 
 How it sits on the functional core. Inside the traced step the model is split into its `wrt` variables (the
 master weights, `TrainState.params`) and everything else (BatchNorm statistics, RNG keys and counts, Params outside

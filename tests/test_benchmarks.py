@@ -51,6 +51,14 @@ def test_overhead_benchmark_tiny(tmp_path):
     for key in ratios:
         assert number(rows[key][0]) > 0 and number(rows[key][1]) > 0, rows[key]  # of medians, of fastest rounds
         assert 0.5 < number(rows[key][3]) < 2 and 0.5 < number(rows[key][4]) < 2, rows[key]  # bytes, flops ratios
+    # The NNX table: the same LM through jaxamp.nnx.train_step, one compile each, (a)'s arithmetic.
+    nnx_rows = table_rows(text.split("## Flax NNX")[1])
+    for label in ("(f)", "(g)", "(h)"):
+        cells = next(cells for key, cells in nnx_rows.items() if key.startswith(label + " "))
+        assert number(cells[0]) > 0 and number(cells[8]) == 1 and number(cells[9]) == 1, (label, cells)
+    for key in ("(f)/(a)", "(g)/(a)", "(h)/(a)"):
+        cells = next(cells for k, cells in nnx_rows.items() if k.startswith(key))
+        assert number(cells[0]) > 0 and 0.95 < number(cells[3]) < 1.05 and 0.95 < number(cells[4]) < 1.05, cells
 
 
 def test_gpu_throughput_tiny(tmp_path):
