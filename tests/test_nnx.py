@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from jaxamp import DynamicLossScale, NoOpLossScale, StaticLossScale, TrainState, get_policy
+from jaxamp import DynamicLossScale, NoOpLossScale, TrainState
 from jaxamp import train_step as functional_train_step
 from jaxamp.checkpoint import Checkpointer
 from jaxamp.nnx import Optimizer, train_step
@@ -59,6 +59,15 @@ def pure(tree):
 
 def adam():
     return optax.adam(1e-2)
+
+
+TX = optax.adamw(1e-2, weight_decay=0.1)  # one object: steps of equal models, optimizers and loss_fn share a compile
+
+
+def fresh(seed=0, scale=2.0**10):
+    """A float16-BatchNorm MLP and its fp16 Optimizer (TX, a DynamicLossScale with growth every 2 steps)."""
+    model = make_model(seed, bn_dtype=F16)
+    return model, Optimizer(model, TX, policy="fp16", loss_scale=DynamicLossScale(scale, growth_interval=2))
 
 
 def counted(fn, counter):
@@ -112,8 +121,7 @@ def snapshot(model, opt):
 
 
 def test_an_inf_batch_is_skipped_bitwise_and_backs_the_scale_off():
-    model = make_model(bn_dtype=F16)
-    opt = Optimizer(model, adam(), policy="fp16", loss_scale=DynamicLossScale(2.0**12))
+    model, opt = fresh(scale=2.0**12)
     train_step(model, opt, make_batch(0), loss_fn)  # a normal step first: the optax state is not all zeros
     params, opt_state, stats, rng_state = snapshot(model, opt)
     metrics = train_step(model, opt, make_batch(1, poison=jnp.inf), loss_fn)
@@ -128,8 +136,7 @@ def test_an_inf_batch_is_skipped_bitwise_and_backs_the_scale_off():
 
 
 def test_a_gradient_overflow_skips_the_update_but_keeps_batchnorm_statistics_as_torch_amp():
-    model = make_model(bn_dtype=F16)
-    opt = Optimizer(model, adam(), policy="fp16", loss_scale=StaticLossScale(2.0**24))  # float16 grads overflow
+    model, opt = fresh(scale=2.0**24)  # float16 gradients overflow, the forward pass does not
     params, opt_state, stats, _ = snapshot(model, opt)
     metrics = train_step(model, opt, make_batch(0), loss_fn)
     assert bool(metrics["loss_finite"]) and not bool(metrics["grads_finite"])
@@ -141,12 +148,11 @@ def test_a_gradient_overflow_skips_the_update_but_keeps_batchnorm_statistics_as_
 
 def test_a_retried_batch_draws_the_same_dropout_masks():
     """The retry's final attempt equals a plain step at the scale it ended at, from the same model state."""
-    retried, direct = make_model(bn_dtype=F16, dropout=0.5), make_model(bn_dtype=F16, dropout=0.5)
-    opt_r = Optimizer(retried, adam(), policy="fp16", loss_scale=DynamicLossScale(2.0**24))
+    retried, opt_r = fresh(scale=2.0**24)
     metrics = train_step(retried, opt_r, make_batch(0), loss_fn, on_overflow="retry", max_retries=8)
     assert bool(metrics["grads_finite"]) and int(metrics["retries"]) >= 1
     final_scale = float(metrics["loss_scale"])
-    opt_d = Optimizer(direct, adam(), policy="fp16", loss_scale=DynamicLossScale(final_scale))
+    direct, opt_d = fresh(scale=final_scale)
     reference = train_step(direct, opt_d, make_batch(0), loss_fn)
     assert bool(reference["grads_finite"])
     # The loss depends on the dropout masks; the RNG count advanced once, not once per attempt.
@@ -160,8 +166,7 @@ def test_a_retried_batch_draws_the_same_dropout_masks():
 
 def test_accumulation_runs_the_micro_batches_in_order():
     """accum_steps=2: one update, one scale adjustment, and the model state threaded through both micro-batches."""
-    model, ref = make_model(bn_dtype=F16), make_model(bn_dtype=F16)
-    opt = Optimizer(model, adam(), policy="fp16", loss_scale=DynamicLossScale(2.0**10))
+    (model, opt), ref = fresh(), make_model(bn_dtype=F16)
     metrics = train_step(model, opt, make_batch(0, n=64), loss_fn, accum_steps=2)
     assert bool(metrics["grads_finite"]) and int(opt.step[...]) == 1
     assert int(model.drop.rngs.count[...]) == 2  # each micro-batch drew its own masks
@@ -208,14 +213,6 @@ def test_fp32_noop_equals_nnx_optimizer_and_value_and_grad():
 def run_steps(model, opt, start, n):
     for i in range(start, start + n):
         train_step(model, opt, make_batch(i % 6), loss_fn)
-
-
-def fresh(seed):
-    model = make_model(seed, bn_dtype=F16)
-    return model, Optimizer(model, TX, policy="fp16", loss_scale=DynamicLossScale(2.0**10, growth_interval=2))
-
-
-TX = optax.adamw(1e-2, weight_decay=0.1)
 
 
 def test_orbax_and_jaxamp_checkpointer_round_trips_continue_bitwise(tmp_path):
