@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from jaxamp.plotting import PlotError, plot_runs
 
-from conftest import number, table_rows
+from conftest import load_script, number, table_rows
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -51,14 +52,38 @@ def test_overhead_benchmark_tiny(tmp_path):
     for key in ratios:
         assert number(rows[key][0]) > 0 and number(rows[key][1]) > 0, rows[key]  # of medians, of fastest rounds
         assert 0.5 < number(rows[key][3]) < 2 and 0.5 < number(rows[key][4]) < 2, rows[key]  # bytes, flops ratios
-    # The NNX table: the same LM through jaxamp.nnx.train_step, one compile each, (a)'s arithmetic.
-    nnx_rows = table_rows(text.split("## Flax NNX")[1])
-    for label in ("(f)", "(g)", "(h)"):
-        cells = next(cells for key, cells in nnx_rows.items() if key.startswith(label + " "))
-        assert number(cells[0]) > 0 and number(cells[8]) == 1 and number(cells[9]) == 1, (label, cells)
-    for key in ("(f)/(a)", "(g)/(a)", "(h)/(a)"):
-        cells = next(cells for k, cells in nnx_rows.items() if k.startswith(key))
-        assert number(cells[0]) > 0 and 0.95 < number(cells[3]) < 1.05 and 0.95 < number(cells[4]) < 1.05, cells
+
+
+def test_nnx_overhead_benchmark_tiny(tmp_path):
+    out = tmp_path / "nnx.md"
+    proc = run_script("benchmarks/nnx_overhead.py", "--layers", "1", "--width", "8", "--heads", "1", "--seq-len", "8",
+                      "--batch-size", "2", "--rounds", "2", "--steps", "1", "--warmup", "0", "--probe-rounds", "0",
+                      "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert text in proc.stdout and "os.cpu_count()" in text and "Not measured (`--probe-rounds 0`)" in text
+    rows = table_rows(text)
+    for label in ("(a)", "(f)", "(g)", "(h)"):
+        cells = next(cells for key, cells in rows.items() if key.startswith(label + " "))
+        assert number(cells[0]) > 0 and number(cells[1]) > 0 and number(cells[2]) > 0, (label, cells)
+        assert number(cells[3]) == 1 and number(cells[4]) == 1, (label, cells)  # one trace, one compile each
+    assert re.search(r"\(1\.000x, 1\.000x\): the same program", text)  # XLA cost: NNX step == functional step
+    # The probe table, from synthetic timings: extra ms over (a) and its share of (a)'s reference step.
+    module = load_script("benchmarks/nnx_overhead.py")
+    args = module.parse_args(["--out", str(tmp_path / "unused.md")])
+    per_round = {"a": [0.100, 0.100], "f": [0.110, 0.112], "g": [0.101, 0.103], "h": [0.102, 0.102]}
+    res = {"machine": "m", "cfg": module.TransformerConfig(vocab_size=65, seq_len=64, num_layers=4, num_heads=4,
+                                                            width=128),
+           "n_params": 1, "n_variables": 2, "cost": {"a": {"bytes": 1.0, "flops": 1.0}, "nnx": {"bytes": 1.0,
+                                                                                                "flops": 1.0}},
+           "median": {n: sum(v) / 2 for n, v in per_round.items()}, "per_round": per_round,
+           "first_call": dict.fromkeys("afgh", 1.0), "traces": dict.fromkeys("afgh", 1),
+           "compiles": dict.fromkeys("afgh", 1), "skipped": dict.fromkeys("afgh", False),
+           "probe": {"a": 0.001, "f": 0.006, "g": 0.002, "h": 0.0015}}
+    probe_rows = table_rows(module.report(args, res).split("## Python-side")[1])
+    g = next(cells for key, cells in probe_rows.items() if key.startswith("(g) "))
+    assert g[1:] == ["+1.00", "+1.0%", "1.010x"], g
+    assert "(g) adds +1.0% of (a)'s reference step in Python (within the goal)" in module.report(args, res)
 
 
 def test_gpu_throughput_tiny(tmp_path):
@@ -76,6 +101,53 @@ def test_gpu_throughput_tiny(tmp_path):
         mem = memory_rows[precision]
         assert all(number(c) >= 0 for c in mem), mem
         assert number(mem[-1]) > 0
+
+
+def test_gpu_throughput_tiny_on_token_files(tmp_path):
+    """--data DIR times real tokens: the batches of batch_at on its train.bin, with meta.pkl's vocabulary."""
+    import pickle
+
+    import numpy as np
+
+    from conftest import load_script
+    from jaxamp.data import batch_at
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, seed in (("train.bin", 0), ("val.bin", 1)):
+        np.random.default_rng(seed).integers(0, 40, 3000, dtype=np.uint16).tofile(data / name)
+    (data / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 40, "itos": {i: chr(65 + i) for i in range(40)}}))
+    gpu = load_script("benchmarks/gpu_throughput.py")
+    size = gpu._size(gpu.parse_args(["--tiny", "--data", str(data)]))
+    assert (size["vocab"], size["data"]) == (40, str(data))
+    ids = np.fromfile(data / "train.bin", "<u2")
+    for i, (x, y) in enumerate(gpu.data_batches(size, 2)):
+        ref = batch_at(ids, seed=0, step=i, batch_size=size["batch_size"], seq_len=size["seq_len"])
+        assert np.array_equal(x, ref[0]) and np.array_equal(y, ref[1])
+    out = tmp_path / "gpu.md"
+    proc = run_script("benchmarks/gpu_throughput.py", "--tiny", "--steps", "1", "--warmup", "1", "--precisions",
+                      "bf16", "--data", str(data), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert f"real tokens of {data}/train.bin" in text and "vocab 40," in text
+    assert number(table_rows(text.split("## Memory")[0])["bf16"][2]) > 0  # tokens/s
+
+
+def test_memmap_rss_tiny(tmp_path):
+    """Training batches from nanoGPT token files keep the peak resident set flat as train.bin grows 8x; reading the
+    file into memory (the control) grows it by the file's size, so the measurement does see a full read."""
+    out = tmp_path / "rss.md"
+    proc = run_script("benchmarks/memmap_rss.py", "--tiny", "--tmp-dir", str(tmp_path), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert text in proc.stdout and "os.cpu_count()" in text
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| 16 ") or
+            line.startswith("| 128 ")]
+    peak = {(int(r[0]), r[2].strip()): number(r[5]) for r in rows}
+    assert len(peak) == 6, rows
+    assert peak[(128, "np.fromfile")] > 0.9 * 128 and peak[(16, "np.fromfile")] > 0.9 * 16  # the control
+    assert peak[(128, "trainer")] < 16 and abs(peak[(128, "trainer")] - peak[(16, "trainer")]) < 2, peak
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rss.md"]  # the synthetic files are gone
 
 
 def _write_run(run_dir: Path, *, steps: int, skipped_at: int | None, precision: str | None, seed: int) -> None:
@@ -134,12 +206,13 @@ def test_plot_cli_missing_dir(tmp_path):
 
 def test_fidelity_benchmark_tiny(tmp_path, text_corpus):
     out = tmp_path / "fidelity.md"
-    proc = run_script("benchmarks/fidelity.py", "--tiny", "--data", str(text_corpus), "--out", str(out))
+    proc = run_script("benchmarks/fidelity.py", "--tiny", "--precisions", "bf16", "--data", str(text_corpus),
+                      "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line.strip("|").split("|") for line in out.read_text().splitlines()
-             if line.startswith("| bf16") or line.startswith("| fp16")]
-    rows = {(c[0].strip(), c[1].strip(), c[3].strip()): c for c in lines}
-    assert len(rows) == 8
+    lines = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.read_text().splitlines()
+             if line.startswith("| bf16")]
+    rows = {(c[0], c[1], c[3]): c for c in lines}
+    assert len(rows) == 4
     before, after = rows[("bf16", "skewed", "before")], rows[("bf16", "skewed", "after")]
     assert number(before[6]) > 5 * number(after[6])  # the worst leaf: a half-precision sum, then fixed
     assert number(before[7]) > 5 * number(after[7])  # the most frequent token's embedding row
@@ -151,15 +224,17 @@ def test_gpu_check_dry_run(tmp_path):
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(tmp_path)], cwd=REPO,
                           env={**FAST_ENV, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {"env.txt", "tests.log", "gpu_throughput.md", "gpu_throughput.json", "gpu_profile.md"} <= {
-        p.name for p in tmp_path.iterdir()}
+    assert {p.name for p in tmp_path.iterdir()} == {"env.txt", "check.log", "gpu_throughput.md",
+                                                    "gpu_throughput.json", "gpu_paired.md", "gpu_profile.md"}
     assert "backend cpu" in (tmp_path / "env.txt").read_text()
     # The cuDNN and FP8 GEMM checks need a GPU; the 20-step comparison is left to the GPU run.
-    assert "3 passed, 3 skipped, 1 deselected" in (tmp_path / "tests.log").read_text()
+    assert "3 passed, 3 skipped, 1 deselected" in (tmp_path / "check.log").read_text()
     results = json.loads((tmp_path / "gpu_throughput.json").read_text())["results"]
     assert set(results) == {"fp32-highest", "fp32", "bf16", "fp16", "fp8"}
     assert all("error" not in r for r in results.values())
     assert "## fp16:" in (tmp_path / "gpu_profile.md").read_text()
+    paired = (tmp_path / "gpu_paired.md").read_text()
+    assert "fp16 / bf16 step time: median over rounds" in paired and "| fp16 |" in paired
 
 
 def test_plot_ends_the_loss_scale_at_the_summarys_final_scale(tmp_path):
