@@ -228,3 +228,25 @@ def test_precision_fp8_trains_close_to_bf16(text_corpus, tmp_path):
     assert fp8[-10:].mean() < 0.85 * fp8[:5].mean()
     assert not np.array_equal(fp8, bf16)
     assert abs(fp8[-10:].mean() - bf16[-10:].mean()) / bf16[-10:].mean() < 0.03
+
+
+def test_fp8_ranges_report_saturation_against_the_delayed_scale():
+    from jaxamp.fp8_report import FP8_FORMATS, format_fp8_table, fp8_ranges
+
+    assert (FP8_FORMATS["e4m3"].max, FP8_FORMATS["e5m2"].max) == (E4M3_MAX, E5M2_MAX)
+    state = make_state()
+    for i in range(3):
+        state, _ = STEP(state, make_batch(i), net_loss)
+    calm = {(r["layer"], r["tensor"]): r for r in fp8_ranges(state, make_batch(5), net_loss)}
+    assert set(calm) == {(f"{d}/fp8", t) for d in ("d0", "d1") for t in ("input", "kernel", "output_grad")}
+    history = fp8_state(state)["input_amax_history"]
+    assert calm[("d0/fp8", "input")]["capacity"] == pytest.approx(float(history.max()), rel=1e-6)  # 448 * amax/448
+    assert calm[("d0/fp8", "input")]["saturated"] == 0.0 and calm[("d0/fp8", "output_grad")]["format"] == \
+        "float8_e5m2"
+    loud = {(r["layer"], r["tensor"]): r for r in fp8_ranges(state, make_batch(5, scale=200.0), net_loss)}
+    assert loud[("d0/fp8", "input")]["amax_over_capacity"] > 100 and loud[("d0/fp8", "input")]["saturated"] > 0.9
+    assert loud[("d0/fp8", "kernel")] == calm[("d0/fp8", "kernel")]  # the kernel did not change
+    assert "| d0/fp8 | input | float8_e4m3fn |" in format_fp8_table(list(loud.values()))
+    with pytest.raises(ValueError, match="no FP8 collection"):
+        fp8_ranges(TrainState.create(params={"w": jnp.ones(2)}, tx=optax.sgd(1.0), policy="bf16",
+                                     loss_scale=NoOpLossScale(), rng=jax.random.key(0)), make_batch(0), net_loss)
