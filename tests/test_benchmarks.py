@@ -143,15 +143,17 @@ def test_gpu_check_dry_run(tmp_path):
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(tmp_path)], cwd=REPO,
                           env={**FAST_ENV, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {"env.txt", "tests.log", "gpu_throughput.md", "gpu_throughput.json", "gpu_profile.md"} <= {
-        p.name for p in tmp_path.iterdir()}
+    assert {p.name for p in tmp_path.iterdir()} == {"env.txt", "check.log", "gpu_throughput.md",
+                                                    "gpu_throughput.json", "gpu_paired.md", "gpu_profile.md"}
     assert "backend cpu" in (tmp_path / "env.txt").read_text()
     # The cuDNN and FP8 GEMM checks need a GPU; the 20-step comparison is left to the GPU run.
-    assert "3 passed, 3 skipped, 1 deselected" in (tmp_path / "tests.log").read_text()
+    assert "3 passed, 3 skipped, 1 deselected" in (tmp_path / "check.log").read_text()
     results = json.loads((tmp_path / "gpu_throughput.json").read_text())["results"]
     assert set(results) == {"fp32-highest", "fp32", "bf16", "fp16", "fp8"}
     assert all("error" not in r for r in results.values())
     assert "## fp16:" in (tmp_path / "gpu_profile.md").read_text()
+    paired = (tmp_path / "gpu_paired.md").read_text()
+    assert "fp16 / bf16 step time: median over rounds" in paired and "| fp16 |" in paired
 
 
 def test_plot_ends_the_loss_scale_at_the_summarys_final_scale(tmp_path):
