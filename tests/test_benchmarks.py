@@ -70,6 +70,23 @@ def test_gpu_throughput_tiny(tmp_path):
         assert number(mem[-1]) > 0
 
 
+def test_memmap_rss_tiny(tmp_path):
+    """Training batches from nanoGPT token files keep the peak resident set flat as train.bin grows 8x; reading the
+    file into memory (the control) grows it by the file's size, so the measurement does see a full read."""
+    out = tmp_path / "rss.md"
+    proc = run_script("benchmarks/memmap_rss.py", "--tiny", "--tmp-dir", str(tmp_path), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert text in proc.stdout and "os.cpu_count()" in text
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| 16 ") or
+            line.startswith("| 128 ")]
+    peak = {(int(r[0]), r[2].strip()): number(r[5]) for r in rows}
+    assert len(peak) == 6, rows
+    assert peak[(128, "np.fromfile")] > 0.9 * 128 and peak[(16, "np.fromfile")] > 0.9 * 16  # the control
+    assert peak[(128, "trainer")] < 16 and abs(peak[(128, "trainer")] - peak[(16, "trainer")]) < 2, peak
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rss.md"]  # the synthetic files are gone
+
+
 def _write_run(run_dir: Path, *, steps: int, skipped_at: int | None, precision: str | None, seed: int) -> None:
     run_dir.mkdir(parents=True)
     records, skipped, scale = [], 0, 2.0**15
