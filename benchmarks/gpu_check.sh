@@ -4,12 +4,14 @@
 #   benchmarks/gpu_check.sh --prepare          # on the CPU machine: wheels the GPU box lacks -> .gpu-wheels/
 #   benchmarks/gpu_check.sh [OUTDIR]           # on the GPU box (default OUTDIR: $OUT, else benchmarks/results/gpu_check)
 #   benchmarks/gpu_check.sh --dry-run [OUTDIR] # on a CPU: the same stages at --tiny sizes (CI runs this)
+#   JAXAMP_DATA=DIR benchmarks/gpu_check.sh    # throughput on real tokens: DIR holds nanoGPT's train.bin/val.bin
 #
 # Stages (timeouts in seconds; about 6 minutes in all on one H200):
 #   0 env         nvidia-smi, jax/flax/optax versions and devices                      -> env.txt
 #   1 tests       pytest -m gpu tests/test_gpu.py: cuDNN attention, bitwise skip, one compile,
 #                 checkpoint round trip, 20 LM steps in fp32/bf16/fp16 within 1%       -> tests.log
-#   2 throughput  benchmarks/gpu_throughput.py, GPT-2 124M at seq 1024                 -> gpu_throughput.{md,json,log}
+#   2 throughput  benchmarks/gpu_throughput.py --model gpt2-124m (train_lm.py's preset),
+#                 seq 1024; random tokens, or $JAXAMP_DATA's                           -> gpu_throughput.{md,json,log}
 #   3 profile     benchmarks/gpu_profile.py, kernel time by kind for bf16 and fp16     -> gpu_profile.{md,log}
 # The exit status is that of the first stage that failed (0 if none).
 set -uo pipefail
@@ -43,6 +45,8 @@ if ! $PY -c "import jmp, tensorboardX" 2>/dev/null; then
   fi
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+DATA=()
+if [[ -n ${JAXAMP_DATA:-} ]]; then DATA=(--data "$JAXAMP_DATA"); fi
 status=0
 stage() {  # stage NAME TIMEOUT_S COMMAND...: runs, logs to OUTDIR/NAME.log too, keeps the first failure's status
   local name=$1 limit=$2; shift 2
@@ -58,7 +62,7 @@ if [[ $DRY == 1 ]]; then
   SIZE=(--tiny --steps 2 --warmup 1)
   PROFILE=(--tiny --steps 1 --warmup 0 --precisions fp16)
 else
-  SIZE=(--batch-size 32 --steps 10 --warmup 3)
+  SIZE=(--model gpt2-124m --batch-size 32 --steps 10 --warmup 3)
   PROFILE=(--batch-size 32 --steps 3 --warmup 2 --precisions bf16 fp16)
 fi
 
@@ -73,7 +77,7 @@ print('backend', jax.default_backend(), [(d.device_kind, getattr(d, 'compute_cap
 cat "$OUTDIR/env.txt"
 
 stage tests 150 $PY -m pytest -q -m gpu tests/test_gpu.py -rs -s -p no:cacheprovider
-stage throughput 270 $PY benchmarks/gpu_throughput.py "${SIZE[@]}" --precisions bf16 fp16 fp32 fp32-highest \
+stage throughput 270 $PY benchmarks/gpu_throughput.py "${SIZE[@]}" ${DATA[@]+"${DATA[@]}"} --precisions bf16 fp16 fp32 fp32-highest \
   --out "$OUTDIR/gpu_throughput.md" --json "$OUTDIR/gpu_throughput.json"
 stage profile 100 $PY benchmarks/gpu_profile.py "${PROFILE[@]}" --out "$OUTDIR/gpu_profile.md"
 echo "gpu_check: results in $OUTDIR; exit $status"
