@@ -125,6 +125,12 @@ def report(args, rows: list[dict], argv) -> str:
         f"batches, {args.steps} training batches of {args.batch_size} x {args.seq_len} tokens (seed 0); one fresh "
         "process per size; peak RSS increase = VmHWM after (peak reset before) - VmRSS before",
         "- the files were just written, so they sit in the page cache: times are not disk reads",
+        "- readers: `trainer` = what `train_lm.py --data DIR` does (open_token_dir, eval_batches, batch_at through "
+        "fresh memmaps of 8 windows each); `one memmap` = the same batches from one memmap kept open (the pages it "
+        "touched stay mapped: nanoGPT's reason to re-create its memmap per batch); `np.fromfile` = the control, the "
+        "file read into memory",
+        "- a touched window maps its whole page-cache folio (4 KiB, or up to 2 MiB with large folios), so a batch "
+        "costs the trainer at most 8 folios at a time, whatever the file's size",
         "",
         "| train.bin MiB | tokens | reader | open + checksum (+ load) s | ms per batch | peak RSS increase MiB |",
         "| --- | --- | --- | --- | --- | --- |",
