@@ -89,6 +89,14 @@ def open_token_dir(directory: str | os.PathLike[str], *, vocab_size: int | None,
 def token_file(directory: Path, name: str, seq_len: int) -> TokenFile:
     """``directory/name`` as a :class:`TokenFile`, after checking its size (nothing else is read).
 
+    Args:
+        directory: The data directory.
+        name: ``train.bin`` or ``val.bin``.
+        seq_len: Tokens per sequence; the file needs ``seq_len + 1``.
+
+    Returns:
+        The token file (``u16[size / 2]``).
+
     Raises:
         DataError: The file is missing, has an odd byte length, or holds fewer than ``seq_len + 1`` tokens.
     """
@@ -170,10 +178,15 @@ def read_meta(path: str | os.PathLike[str]) -> dict:
     """
     path = Path(path)
     fix = "pass --vocab-size N to ignore it"
-    if path.stat().st_size > _META_MAX_BYTES:
-        raise DataError(f"{path} is larger than nanoGPT's meta.pkl can be ({path.stat().st_size:,} bytes); {fix}")
     try:
-        meta = _PlainUnpickler(io.BytesIO(path.read_bytes())).load()
+        with open(path, "rb") as f:
+            raw = f.read(_META_MAX_BYTES + 1)
+    except OSError as err:
+        raise DataError(f"cannot read {path} ({err.strerror}); {fix}") from None
+    if len(raw) > _META_MAX_BYTES:
+        raise DataError(f"{path} is larger than nanoGPT's meta.pkl can be (over {_META_MAX_BYTES:,} bytes); {fix}")
+    try:
+        meta = _PlainUnpickler(io.BytesIO(raw)).load()
     except Exception as err:  # noqa: BLE001 - any unpickling failure is one bad file
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"{path} is not nanoGPT's plain meta.pkl ({why}); {fix}") from None
