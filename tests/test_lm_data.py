@@ -327,6 +327,13 @@ def test_token_files_train_like_their_text_and_resume_bitwise(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "saved with vocab_size=320 but this run has vocab_size=321" in err and "\n" not in err, err
     assert snapshot(tmp_path / "bins_run") == before
+    # So are token files that changed since (the checksum covers sizes and sampled blocks).
+    val = np.fromfile(bins / "val.bin", "<u2")
+    val[0] = (val[0] + 1) % len(set(words(4000)))
+    val.tofile(bins / "val.bin")
+    assert train_lm.main(_run_args(bins, tmp_path / "bins_run", 12)) == 2
+    assert "saved with corpus_sha256=" in capsys.readouterr().err
+    assert snapshot(tmp_path / "bins_run") == before
 
 
 def test_bpe_run_trains_once_resumes_from_its_cache_and_decodes_samples(tmp_path, capsys, monkeypatch):
