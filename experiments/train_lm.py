@@ -28,7 +28,8 @@ HELP = {
     "model": "model size preset: small (4 layers, 4 heads, width 128, seq 64) | gpt2-124m (12, 12, 768, 1024) | "
              "gpt2-medium (24, 16, 1024, 1024); --layers/--heads/--width/--seq-len override it",
     "precision": "fp32 | bf16 | fp16 | auto (bf16 on TPUs and GPUs of compute capability >= 8.0, fp16 on 7.x, "
-                 "fp32 on older GPUs and CPUs) | a jmp policy string such as 'p=f32,c=f16,o=f32'",
+                 "fp32 on older GPUs and CPUs) | a jmp policy string such as 'p=f32,c=f16,o=f32'; may change "
+                 "between fp32, bf16 and fp16 on resume (the loss scale is then made anew)",
     "loss_scale": "auto (dynamic for float16 compute, else none) | dynamic | static | none",
     "init_scale": "initial dynamic (or fixed static) loss scale",
     "growth_interval": "finite steps before the dynamic loss scale grows",
@@ -47,6 +48,8 @@ HELP = {
     "on_overflow": "skip (drop the update, back off) | retry (back off and recompute the same batch)",
     "max_retries": "retries per step with --on-overflow retry",
     "underflow_stats": "log the gradients' zero fraction and the loss scale's headroom each step",
+    "fidelity_every": "steps between gradient-fidelity checks: each leaf's relative error against a float32 "
+                      "recomputation of the same batch, as grad_rel_err in metrics.jsonl (0 = off)",
     "max_consecutive_skips": "stop, after saving, when this many steps in a row overflow (or 10 at the minimum "
                              "loss scale); checked at each metrics fetch (--log-every)",
     "mesh": "devices as 'data=N' (data parallel) or 'data=N,fsdp=M' (params and optimizer state sharded too); "

@@ -59,6 +59,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp.precision import policy_name
 from jaxamp.state import TrainState
 
@@ -160,6 +161,22 @@ def _structure_string(tree) -> str:
 def _loss_scale_record(loss_scale) -> dict:
     config = loss_scale.config() if hasattr(loss_scale, "config") else {}
     return {"type": type(loss_scale).__name__, "config": config}
+
+
+def loss_scale_from_record(record: dict) -> LossScale:
+    """A loss scale of the type and hyperparameters an integrity record names (`record["loss_scale"]`), e.g. a
+    restore target for a checkpoint saved under another precision; its values come from the restore.
+
+    Raises:
+      CheckpointError: an unknown type.
+    """
+    kinds = {"NoOpLossScale": NoOpLossScale, "StaticLossScale": StaticLossScale, "DynamicLossScale": DynamicLossScale}
+    kind, config = record.get("type"), record.get("config") or {}
+    if kind not in kinds:
+        raise CheckpointError(f"unknown loss scale type {kind!r} in a checkpoint record")
+    if kind == "DynamicLossScale":
+        return DynamicLossScale(config["min_loss_scale"], **config)
+    return StaticLossScale(1.0) if kind == "StaticLossScale" else NoOpLossScale()
 
 
 def _allgather_json(obj) -> list:
@@ -538,16 +555,7 @@ class Checkpointer:
         manager = self._reader()
         try:
             # 1. The JSON items only: config and integrity record.
-            try:
-                meta = manager.restore(n, args=ocp.args.Composite(
-                    config=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore()))
-                config, record = meta.config, meta.integrity
-            except Exception as err:  # noqa: BLE001 - orbax raises anything from KeyError to bare Exception
-                raise _Unusable(f"cannot read its config/integrity record: {_short(err)}") from None
-            if not isinstance(config, dict) or not isinstance(record, dict) or record.get("format") != _FORMAT:
-                raise _Unusable("config or integrity record is missing or not in the expected format")
-            if record.get("config_sha256") != _config_digest(config):
-                raise _Unusable("config JSON does not match its sha256")
+            config, record = self._read_meta(manager, n)
             # 2. Settings and structure: a mismatch means the user changed settings, so it is raised, not skipped.
             self._check_match(n, config, record, target, expected_config, match_keys)
             # 3. The arrays, into the abstract target (after one cheap read of the array database's index).
@@ -561,6 +569,37 @@ class Checkpointer:
         # 4. Recompute digests.
         self._verify(n, state, record)
         return state, config
+
+    @staticmethod
+    def _read_meta(manager, n: int) -> tuple[dict, dict]:
+        """Step `n`'s config and integrity record (no array is read); raises `_Unusable`."""
+        try:
+            meta = manager.restore(n, args=ocp.args.Composite(
+                config=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore()))
+            config, record = meta.config, meta.integrity
+        except Exception as err:  # noqa: BLE001 - orbax raises anything from KeyError to bare Exception
+            raise _Unusable(f"cannot read its config/integrity record: {_short(err)}") from None
+        if not isinstance(config, dict) or not isinstance(record, dict) or record.get("format") != _FORMAT:
+            raise _Unusable("config or integrity record is missing or not in the expected format")
+        if record.get("config_sha256") != _config_digest(config):
+            raise _Unusable("config JSON does not match its sha256")
+        return config, record
+
+    def read_settings(self, step: int | None = None) -> tuple[dict, dict] | None:
+        """`(config, record)` of `step` (default: the newest on disk) without reading any array, or None when there
+        is no step or it cannot be read (`restore` then reports it). `record["policy"]` is the saved policy's
+        name (`policy_name`), `record["loss_scale"]` its loss scale's type and hyperparameters."""
+        step = self.latest_step() if step is None else step
+        if step is None or not (self._dir / str(step)).is_dir():
+            return None
+        self.wait()
+        manager = self._reader()
+        try:
+            return self._read_meta(manager, step)
+        except _Unusable:
+            return None
+        finally:
+            manager.close()
 
     def _check_match(self, n, config, record, target, expected_config, match_keys) -> None:
         where = f"checkpoint at step {n} in {self._dir}"

@@ -110,6 +110,11 @@ class LossScale:
         """The scale to retry an overflowed step with (`on_overflow="retry"`); fixed scales return themselves."""
         return self
 
+    def lowest(self) -> "LossScale":
+        """The lowest scale `backoff` can reach (`on_overflow="retry"` probes it: gradients that are not finite even
+        there do not overflow because of the scale); fixed scales return themselves."""
+        return self
+
 
 @jax.tree_util.register_pytree_with_keys_class
 class NoOpLossScale(LossScale):
@@ -293,6 +298,12 @@ class DynamicLossScale(LossScale):
         zero = jnp.zeros((), jnp.int32)
         scale = jnp.maximum(self._loss_scale * self.backoff_factor, self.min_loss_scale).astype(jnp.float32)
         return self._with(loss_scale=scale, growth_counter=zero, overflow_counter=zero)
+
+    def lowest(self) -> "DynamicLossScale":
+        """The scale at `min_loss_scale`, counters reset: the floor `backoff` reaches."""
+        zero = jnp.zeros((), jnp.int32)
+        return self._with(loss_scale=jnp.full((), self.min_loss_scale, jnp.float32), growth_counter=zero,
+                          overflow_counter=zero)
 
     def _with(self, *, loss_scale, growth_counter, overflow_counter) -> "DynamicLossScale":
         return DynamicLossScale.tree_unflatten(self._static(), (loss_scale, growth_counter, overflow_counter))

@@ -16,10 +16,15 @@ islands. The training step casts the float32 master parameters to the compute
 dtype (float16, bfloat16 or float32) *before* calling ``model.apply``, and the
 model then computes in whatever dtype its parameters arrive in:
 
-* Dense/Embed layers are built with ``dtype=None``, so linen infers the
-  computation dtype from inputs and parameters; the embedding lookup returns
-  rows in the parameters' dtype, so the residual stream is in the compute
-  dtype and every Dense matmul runs in it.
+* Dense layers are built with ``dtype=None``, so linen infers the
+  computation dtype from inputs and parameters. The embedding lookups gather
+  rows from the tables as they arrive and cast them to the compute dtype, the
+  dtype of the blocks' weights (``jaxamp.layers.embed_lookup``), so the
+  residual stream is in the compute dtype and every Dense matmul runs in it.
+  Under ``get_policy(precision, keep_float32=LM_KEEP_FLOAT32)`` the tables stay
+  float32 and their gradients (lookup scatter-add plus tied head) are exact
+  float32 sums; with a plain preset they arrive in the compute dtype and the
+  lookups' gradients still accumulate in float32, rounded once.
 * Float32 islands, whatever the parameter dtype:
   (a) LayerNorm: statistics and normalisation in float32 (two-pass mean and
       variance), result cast back to the input's dtype;
@@ -29,9 +34,12 @@ model then computes in whatever dtype its parameters arrive in:
       negative value, so even a fully masked row is finite; the output is cast
       back to the compute dtype (see :func:`dot_product_attention` for why the
       half-precision inputs are not passed to JAX directly);
-  (c) logits: the tied head is an einsum with
-      ``preferred_element_type=jnp.float32``, so logits are float32 and are
-      never rounded through float16.
+  (c) logits: the tied head (``jaxamp.layers.attend``) multiplies in the
+      compute dtype with ``preferred_element_type=jnp.float32``, so logits
+      are float32 and are never rounded through float16; its backward
+      matmuls also take compute-dtype operands (the float32 logit gradient
+      is rounded to the compute dtype once, as torch.amp's half-precision
+      logits would be) and accumulate in float32.
 
 Everything, gradients included, runs under
 ``jax_numpy_dtype_promotion="strict"``: there is no implicit dtype promotion
@@ -53,7 +61,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxamp.layers import Dense, Embed, add_bias
+
 __all__ = [
+    "LM_KEEP_FLOAT32",
     "TransformerConfig",
     "LayerNorm",
     "dot_product_attention",
@@ -65,6 +76,10 @@ __all__ = [
     "count_params",
     "generate",
 ]
+
+# The LM's leaves that stay float32 in the compute copy: `get_policy(precision, keep_float32=LM_KEEP_FLOAT32)`.
+# Its lookups then accumulate their gradients exactly in float32 (see jaxamp.layers).
+LM_KEEP_FLOAT32 = ("wte/embedding", "wpe/embedding")
 
 # nanoGPT initialisation scale for every Dense and Embed kernel.
 _INIT_STD = 0.02
@@ -127,9 +142,10 @@ class TransformerConfig:
         return self.width // self.num_heads
 
 
-def _dense(features: int, use_bias: bool, std: float, name: str) -> nn.Dense:
-    """A nanoGPT-initialised Dense layer that computes in its inputs'/params' dtype."""
-    return nn.Dense(
+def _dense(features: int, use_bias: bool, std: float, name: str) -> Dense:
+    """A nanoGPT-initialised Dense layer that computes in its inputs'/params' dtype (bias gradient summed in
+    float32: `jaxamp.layers.Dense`)."""
+    return Dense(
         features,
         use_bias=use_bias,
         kernel_init=nn.initializers.normal(stddev=std),
@@ -417,20 +433,33 @@ class TransformerLM(nn.Module):
                 f"crop the input to the last {cfg.seq_len} tokens or build the model with a larger seq_len"
             )
         embed_init = nn.initializers.normal(stddev=_INIT_STD)
-        wte = nn.Embed(cfg.vocab_size, cfg.width, embedding_init=embed_init, name="wte")
-        wpe = nn.Embed(cfg.seq_len, cfg.width, embedding_init=embed_init, name="wpe")
-        # nn.Embed with dtype=None returns rows in the embedding's (= params') dtype.
-        # Negative ids would wrap around (Python indexing); send them past the end, where jnp.take fills NaN.
-        tok_emb = wte(jnp.where(tokens < 0, cfg.vocab_size, tokens))  # [batch, seq, width]
+        dtype = self._compute_dtype()
+        # Lookups in the tables as they arrive (float32 under LM_KEEP_FLOAT32), rows cast to the compute dtype; the
+        # tables' gradients accumulate in float32 (jaxamp.layers.embed_lookup). Out-of-range ids give NaN rows.
+        wte = Embed(cfg.vocab_size, cfg.width, dtype=dtype, embedding_init=embed_init, name="wte")
+        wpe = Embed(cfg.seq_len, cfg.width, dtype=dtype, embedding_init=embed_init, name="wpe")
+        tok_emb = wte(tokens)  # [batch, seq, width]
         pos_emb = wpe(jnp.arange(seq, dtype=jnp.int32))  # [seq, width]
-        x = tok_emb + pos_emb[None, :, :]  # [batch, seq, width]
+        x = add_bias(tok_emb, pos_emb)  # [batch, seq, width]; pos_emb's gradient summed over the batch in float32
         x = nn.Dropout(rate=cfg.dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_layers):
             x = Block(cfg, name=f"h_{i}")(x, deterministic=deterministic)  # [batch, seq, width]
         x = LayerNorm(use_bias=cfg.use_bias, name="ln_f")(x)  # [batch, seq, width]
-        # Float32 island (c): tied head, accumulated and returned in float32.
-        embedding = wte.embedding  # [vocab, width]
-        return jnp.einsum("btd,vd->btv", x, embedding, preferred_element_type=jnp.float32)  # [batch, seq, vocab]
+        # Float32 island (c): tied head in the compute dtype, accumulated and returned in float32; its backward
+        # matmuls run in the compute dtype too (jaxamp.layers.attend).
+        return wte.attend(x)  # [batch, seq, vocab]
+
+    def _compute_dtype(self):
+        """The dtype the blocks' weights arrive in (`h_0/attn/c_attn/kernel`): the policy's compute dtype.
+
+        float32 while initialising. The embedding tables may arrive in float32 (`LM_KEEP_FLOAT32`) or in the compute
+        dtype; the residual stream runs in this one either way.
+        """
+        params = self.variables.get("params", {})
+        try:
+            return params["h_0"]["attn"]["c_attn"]["kernel"].dtype
+        except (KeyError, TypeError):
+            return jnp.float32
 
 
 def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -8,15 +8,64 @@ mixed-precision set-ups; every jmp policy string is accepted as well.
 | `"fp32"` | float32 | float32 | float32 |
 | `"bf16"` | float32 | bfloat16 | float32 |
 | `"fp16"` | float32 | float16 | float32 |
+
+A per-leaf rule, `keep_float32`, names leaves that stay float32 in the compute copy (e.g. embedding tables, whose
+lookups must accumulate their gradient in float32: see `jaxamp.layers`).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jmp
 
-Policy = jmp.Policy
+PyTree = Any
+
+
+def leaf_path(path) -> str:
+    """A `tree_flatten_with_path` path as `"a/b/0"`, the form `keep_float32` and `trainable` patterns match."""
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy(jmp.Policy):
+    """A jmp policy whose compute copy keeps the leaves named by `keep_float32` in float32.
+
+    `cast_to_compute(params)` casts every floating leaf to `compute_dtype` except those whose path (`leaf_path`, e.g.
+    `"wte/embedding"`) matches one of the `fnmatch` patterns: those are cast to float32. `cast_to_param` and
+    `cast_to_output` are jmp's. The rule exists for gathered rows: a lookup `table[ids]` into a half-precision table
+    differentiates into a half-precision scatter-add, and a row looked up thousands of times in a batch stops
+    absorbing contributions (bf16: once its sum is ~2^8 times one contribution). torch.amp never autocasts
+    embeddings for the same reason. Keep the table float32 and cast the looked-up rows to the compute dtype in the
+    model (`jaxamp.layers.embed_lookup` does both: its gradient accumulates in float32 whatever the table's dtype).
+
+    Build it with `get_policy(spec, keep_float32=("*embedding",))`; `policy_name` writes it as
+    `"bf16;keep_float32=*embedding"`, which `get_policy` parses back.
+
+    Attributes:
+      keep_float32: `fnmatch` patterns over leaf paths, e.g. `("*/embedding",)` for every Flax `nn.Embed` table.
+    """
+
+    keep_float32: tuple[str, ...] = ()
+
+    def keeps(self, path: str) -> bool:
+        """Whether the leaf at `path` (as `leaf_path` writes it) stays float32 in the compute copy."""
+        return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.keep_float32)
+
+    def cast_to_compute(self, x: PyTree) -> PyTree:
+        def cast(path, leaf):
+            dtype = jnp.float32 if self.keeps(leaf_path(path)) else self.compute_dtype
+            return leaf.astype(dtype) if jnp.issubdtype(jnp.result_type(leaf), jnp.floating) else leaf
+
+        return jax.tree_util.tree_map_with_path(cast, x)
+
+    def __str__(self) -> str:
+        return f"{policy_name(jmp.Policy(self.param_dtype, self.compute_dtype, self.output_dtype))};" \
+               f"keep_float32={','.join(self.keep_float32)}"
 
 PRESETS: dict[str, Policy] = {
     "fp32": jmp.Policy(jnp.float32, jnp.float32, jnp.float32),
@@ -27,20 +76,43 @@ PRESETS: dict[str, Policy] = {
 _JMP_FORMS = ('"params=float32,compute=float16,output=float32"', '"p=f32,c=bf16"', 'a dtype name such as "float32"')
 
 
-def get_policy(spec: str | Policy) -> Policy:
+def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[str] = ()) -> jmp.Policy:
     """Returns the precision policy named by `spec`.
 
     Args:
-      spec: a preset (`"fp32"`, `"bf16"`, `"fp16"`), `"auto"` (see `auto_precision`), any policy string that `jmp.get_policy` parses (e.g.
-        `"params=float32,compute=float16,output=float32"` or `"p=f32,c=bf16"`; jmp's rule applies: an unnamed output
-        dtype follows the compute dtype), or a `jmp.Policy`, returned as is.
+      spec: a preset (`"fp32"`, `"bf16"`, `"fp16"`), `"auto"` (see `auto_precision`), any policy string that
+        `jmp.get_policy` parses (e.g. `"params=float32,compute=float16,output=float32"` or `"p=f32,c=bf16"`; jmp's
+        rule applies: an unnamed output dtype follows the compute dtype), any of these followed by
+        `";keep_float32=PATTERN,PATTERN"` (what `policy_name` writes), or a `jmp.Policy`.
+      keep_float32: `fnmatch` patterns of leaves that stay float32 in the compute copy (see `Policy`), added to
+        those of `spec`.
 
     Returns:
-      A `jmp.Policy` whose `cast_to_compute` casts the float32 master weights to the compute dtype.
+      A `jmp.Policy` whose `cast_to_compute` casts the float32 master weights to the compute dtype: a `Policy`
+      when any `keep_float32` pattern is given, else the plain jmp policy (a preset, or `spec` itself).
 
     Raises:
-      ValueError: the name is neither a preset nor a jmp policy string; the message lists the accepted forms.
+      ValueError: the name is neither a preset nor a jmp policy string (the message lists the accepted forms), or
+        `keep_float32` is not a sequence of non-empty strings.
     """
+    if isinstance(keep_float32, str) or not all(isinstance(p, str) and p for p in keep_float32):
+        raise ValueError(f"keep_float32 must be a sequence of fnmatch patterns such as ('*/embedding',), got "
+                         f"{keep_float32!r}")
+    if isinstance(spec, str) and ";" in spec:
+        spec, _, rule = spec.partition(";")
+        name, _, patterns = rule.partition("=")
+        if name.strip() != "keep_float32" or not patterns.strip():
+            raise ValueError(f"unknown policy rule {rule!r}: the one rule is ';keep_float32=PATTERN,PATTERN'")
+        keep_float32 = (*[p.strip() for p in patterns.split(",") if p.strip()], *keep_float32)
+    base = _base_policy(spec)
+    keep = tuple(dict.fromkeys((*getattr(base, "keep_float32", ()), *keep_float32)))  # in order, once each
+    if not keep:
+        return base
+    return Policy(base.param_dtype, base.compute_dtype, base.output_dtype, keep_float32=keep)
+
+
+def _base_policy(spec: str | jmp.Policy) -> jmp.Policy:
+    """`get_policy` without the per-leaf rule."""
     if isinstance(spec, jmp.Policy):
         return spec
     if isinstance(spec, str) and spec.strip().lower() == "auto":
@@ -60,16 +132,20 @@ def get_policy(spec: str | Policy) -> Policy:
         ) from None
 
 
-def policy_name(policy: Policy) -> str:
+def policy_name(policy: jmp.Policy, *, rules: bool = True) -> str:
     """Returns the preset name of `policy` if it is one, else jmp's short form (e.g. `"p=f32,c=f16,o=f16"` for
-    `get_policy("float16")`; jmp writes float32 as `full` in some forms). `get_policy(policy_name(p)) == p`."""
+    `get_policy("float16")`; jmp writes float32 as `full` in some forms), followed by `;keep_float32=...` for a
+    `Policy` with that rule unless `rules=False`. `get_policy(policy_name(p)) == p`."""
+    if isinstance(policy, Policy):
+        return str(policy) if rules else policy_name(jmp.Policy(policy.param_dtype, policy.compute_dtype,
+                                                                policy.output_dtype))
     for name, preset in PRESETS.items():
         if preset == policy:
             return name
     return str(policy)
 
 
-def needs_loss_scaling(policy: Policy) -> bool:
+def needs_loss_scaling(policy: jmp.Policy) -> bool:
     """True when the compute dtype is float16, whose narrow exponent range makes gradients underflow unscaled.
 
     bfloat16 shares float32's exponent range, so bf16 and fp32 policies train without a loss scale

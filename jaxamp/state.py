@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import jmp
+import numpy as np
 import optax
 
 from jaxamp.loss_scale import LossScale
@@ -78,12 +79,15 @@ class TrainState:
       step: i32[] `train_step` calls so far = batches consumed (skipped steps included). The one step counter: it
         drives the data order, per-step dropout keys and checkpoint labels.
       params: the master weights, in the policy's param dtype (float32 under the presets).
-      opt_state: the optax state of `tx` for `params` (float32 under the presets). Its own count advances only on
-        applied updates, so LR schedules skip overflowed steps.
+      opt_state: the optax state of `tx` for the trainable params (`trainable_params()`; float32 under the
+        presets). Its own count advances only on applied updates, so LR schedules skip overflowed steps.
       loss_scale: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`.
       rng: u32[2] raw PRNG key; step s uses `jax.random.fold_in(rng, s)`.
       tx: the optax transformation (static).
       policy: the `jmp.Policy` (static).
+      trainable: None (every params leaf trains) or a tuple of bools, one per params leaf in
+        `jax.tree.leaves(params)` order (static; `TrainState.create` builds it from its `trainable` argument). Frozen
+        leaves are not differentiated, hold no optimizer state and come back bitwise unchanged.
     """
 
     step: jax.Array
@@ -93,6 +97,34 @@ class TrainState:
     rng: jax.Array
     tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
     policy: jmp.Policy = flax.struct.field(pytree_node=False)
+    trainable: tuple[bool, ...] | None = flax.struct.field(pytree_node=False, default=None)
+
+    def trainable_params(self, params: PyTree | None = None) -> PyTree:
+        """`params` (default: `self.params`) with every frozen leaf replaced by None: the tree the optimizer sees."""
+        return split_frozen(self.params if params is None else params, self.trainable)[0]
+
+    def with_policy(self, policy: jmp.Policy | str, loss_scale: LossScale) -> "TrainState":
+        """The same run (master weights, optimizer state, step, RNG) under another precision policy and loss scale.
+
+        The way to switch precision mid-run, e.g. from fp16 to bf16 after repeated overflows, on resume or not: the
+        master weights and optimizer state carry over unchanged, the loss scale is the one given (a fresh
+        `DynamicLossScale` for fp16, `NoOpLossScale()` for bf16 or fp32). To resume a checkpoint under another
+        policy, restore it into an abstract state built with the saved policy and loss scale, then call this.
+
+        Raises:
+          ValueError: the new policy keeps the master weights in another dtype (the optimizer state was made for
+            these ones), or `loss_scale` is not a jaxamp loss scale.
+        """
+        policy = _check_policy(policy)
+        if not isinstance(loss_scale, LossScale):
+            raise ValueError(f"loss_scale must be a jaxamp loss scale, got {type(loss_scale).__name__}")
+        old, new = jnp.dtype(self.policy.param_dtype), jnp.dtype(policy.param_dtype)
+        if old != new:
+            raise ValueError(
+                f"the master weights are {old.name} but the new policy keeps them in {new.name}: the optimizer state "
+                f"was made for {old.name} weights; switch to a policy with {old.name} master weights (the presets "
+                f"fp32, bf16 and fp16 all keep float32), or start a new run from the weights")
+        return self.replace(policy=policy, loss_scale=loss_scale)
 
     @classmethod
     def create(
@@ -103,8 +135,9 @@ class TrainState:
         policy: jmp.Policy | str,
         loss_scale: LossScale,
         rng: jax.Array,
+        trainable: PyTree | Callable[[tuple, jax.Array], bool] | None = None,
     ) -> "TrainState":
-        """Casts `params` to the policy's param dtype, initialises `tx` on them, and sets `step` to 0.
+        """Casts `params` to the policy's param dtype, initialises `tx` on the trainable ones, and sets `step` to 0.
 
         Leaves already in the param dtype are not copied: once a step with the state donated has run (the usual
         `jax.jit(train_step, donate_argnums=0)`), the arrays passed as `params` are deleted. Pass
@@ -119,26 +152,33 @@ class TrainState:
           loss_scale: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`.
           rng: a PRNG key, typed (`jax.random.key`) or raw (`jax.random.PRNGKey`), threefry2x32 (JAX's default);
             stored raw, `u32[2]`.
+          trainable: which params train (fine-tuning with frozen parts). None = all. Either a pytree of bools shaped
+            like `params` or a prefix of it (`{"encoder": False, "head": True}`), or a callable
+            `(path, leaf) -> bool` over `jax.tree_util.tree_flatten_with_path(params)` paths
+            (`jaxamp.precision.leaf_path(path)` gives `"encoder/kernel"`). Frozen leaves are not differentiated (no
+            backward work for their weight gradients), take no part in the finite check, `grad_norm` or clipping,
+            hold no optimizer state (`tx.init` sees None there) and come back bitwise unchanged. (A plain
+            `optax.multi_transform` with `set_to_zero` still differentiates them: a non-finite gradient of a frozen
+            leaf then skips every step.)
 
         Raises:
           ValueError: `rng` is not a threefry PRNG key, `loss_scale` is not a jaxamp loss scale, `policy` is neither
-            a `jmp.Policy` nor a known spec, `tx` is not an optax transformation, or a `params` leaf is not a float
-            array or scalar (names the leaf).
+            a `jmp.Policy` nor a known spec, `tx` is not an optax transformation, a `params` leaf is not a float
+            array or scalar (names the leaf), or `trainable` does not fit `params`, is not boolean, or freezes
+            every leaf.
         """
         if not isinstance(loss_scale, LossScale):
             raise ValueError(
                 f"loss_scale must be a jaxamp NoOpLossScale, StaticLossScale or DynamicLossScale, got "
                 f"{type(loss_scale).__name__} (jmp's own DynamicLossScale loses min_loss_scale under jit)")
-        if isinstance(policy, str):
-            policy = get_policy(policy)
-        if not isinstance(policy, jmp.Policy):
-            raise ValueError(f"policy must be a jmp.Policy or a spec such as 'fp16', got {type(policy).__name__}")
+        policy = _check_policy(policy)
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise ValueError(f"tx must be an optax GradientTransformation, e.g. optax.adamw(1e-3), got "
                              f"{type(tx).__name__}")
         params = policy.cast_to_param(jax.tree_util.tree_map_with_path(_float_array, params))
+        mask = trainable_mask(trainable, params)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and i32 counts (all float32 here)
-            opt_state = tx.init(params)
+            opt_state = tx.init(split_frozen(params, mask)[0])
         params, opt_state = _unalias((params, opt_state))
         return cls(
             step=jnp.zeros((), jnp.int32),
@@ -148,4 +188,60 @@ class TrainState:
             rng=_raw_key(rng),
             tx=tx,
             policy=policy,
+            trainable=mask,
         )
+
+
+def _check_policy(policy) -> jmp.Policy:
+    if isinstance(policy, str):
+        policy = get_policy(policy)
+    if not isinstance(policy, jmp.Policy):
+        raise ValueError(f"policy must be a jmp.Policy or a spec such as 'fp16', got {type(policy).__name__}")
+    return policy
+
+
+def trainable_mask(trainable, params: PyTree) -> tuple[bool, ...] | None:
+    """`TrainState.create`'s `trainable` as one bool per params leaf (None when every leaf trains).
+
+    Raises:
+      ValueError: a bool tree that is not a prefix of `params`, a non-boolean value, or every leaf frozen.
+    """
+    if trainable is None:
+        return None
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    if callable(trainable):
+        values = [trainable(path, leaf) for path, leaf in flat]
+    else:
+        try:
+            values = treedef.flatten_up_to(
+                jax.tree.map(lambda t, sub: jax.tree.map(lambda _: t, sub), trainable, params))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"trainable must be a tree of bools shaped like params or a prefix of it, or a "
+                             f"callable (path, leaf) -> bool; it does not fit params: {err}") from None
+    bad = [(path, v) for (path, _), v in zip(flat, values) if not isinstance(v, (bool, np.bool_))]
+    if bad:
+        path, v = bad[0]
+        raise ValueError(f"trainable must give a bool per params leaf, got {v!r} for params"
+                         f"{jax.tree_util.keystr(path)}")
+    mask = tuple(bool(v) for v in values)
+    if mask and not any(mask):
+        raise ValueError("trainable freezes every params leaf: nothing would train; mark at least one leaf True")
+    return None if all(mask) else mask
+
+
+def split_frozen(params: PyTree, mask: tuple[bool, ...] | None) -> tuple[PyTree, PyTree]:
+    """`(trainable, frozen)`: two trees shaped like `params`, holding None where the other holds the leaf."""
+    if mask is None:
+        return params, None
+    leaves, treedef = jax.tree.flatten(params)
+    if len(leaves) != len(mask):
+        raise ValueError(f"the trainable mask has {len(mask)} entries but params have {len(leaves)} leaves")
+    return (treedef.unflatten([x if m else None for x, m in zip(leaves, mask)]),
+            treedef.unflatten([None if m else x for x, m in zip(leaves, mask)]))
+
+
+def merge_frozen(trainable: PyTree, frozen: PyTree) -> PyTree:
+    """The inverse of `split_frozen`: every leaf from whichever tree holds it."""
+    if frozen is None:
+        return trainable
+    return jax.tree.map(lambda a, b: b if a is None else a, trainable, frozen, is_leaf=lambda x: x is None)

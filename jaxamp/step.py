@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp.grad_stats import underflow_stats
-from jaxamp.state import TrainState
+from jaxamp.state import TrainState, merge_frozen, split_frozen
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, Any], Any]
@@ -74,13 +74,17 @@ class _Grads(NamedTuple):
 
 
 def _micro_grads(loss_fn, loss_scale, params_c, batch, rng):
-    """Scaled loss -> gradients w.r.t. the compute-dtype params (still scaled, in the compute dtype)."""
+    """Scaled loss -> gradients w.r.t. the trainable compute-dtype params (still scaled, in the compute dtype).
 
-    def scaled_loss(params):
-        loss, aux = _split_loss(loss_fn(params, batch, rng))
+    `params_c` is the `(trainable, frozen)` pair of `split_frozen`: frozen leaves enter the loss as constants.
+    """
+    train_c, frozen_c = params_c
+
+    def scaled_loss(train):
+        loss, aux = _split_loss(loss_fn(merge_frozen(train, frozen_c), batch, rng))
         return loss_scale.scale(loss), (loss, aux)
 
-    grads_c, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(params_c)
+    grads_c, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(train_c)
     return grads_c, loss, aux
 
 
@@ -108,8 +112,9 @@ def _split_micro(batch: PyTree, accum_steps: int) -> PyTree:
 
 
 def _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps: int, with_stats: bool) -> _Grads:
-    """Float32 unscaled gradients, averaged over `accum_steps` micro-batches (one lax.scan, float32 accumulator)."""
-    params_c = state.policy.cast_to_compute(state.params)
+    """Float32 unscaled gradients of the trainable params, averaged over `accum_steps` micro-batches (one lax.scan,
+    float32 accumulator)."""
+    params_c = split_frozen(state.policy.cast_to_compute(state.params), state.trainable)
     stats_of = underflow_stats if with_stats else (lambda g: None)
     if accum_steps == 1:
         grads_c, loss, aux = _micro_grads(loss_fn, loss_scale, params_c, batch, rng)
@@ -125,10 +130,10 @@ def _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps: int, with_st
             stats = stats if stats_acc is None else _combine_stats(stats_acc, stats)
         return (acc, loss_sum + loss, stats), aux
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), state.params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), state.trainable_params())
     init_stats = None
     if with_stats:  # zero fractions start at 0 (sums), headroom at +inf (minima)
-        shapes = jax.eval_shape(underflow_stats, params_c)
+        shapes = jax.eval_shape(underflow_stats, params_c[0])
         init_stats = {k: jax.tree.map(lambda s, k=k: jnp.full(s.shape, 0.0 if "zero" in k else jnp.inf, s.dtype), v)
                       for k, v in shapes.items()}
     (acc, loss_sum, stats), aux = jax.lax.scan(
@@ -146,19 +151,31 @@ def _combine_stats(acc: dict, new: dict) -> dict:
 
 
 def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries):
-    """Backs the scale off and recomputes the same batch until the gradients are finite (`lax.while_loop`)."""
+    """Backs the scale off and recomputes the same batch until the gradients are finite (`lax.while_loop`).
+
+    After the first non-finite attempt (with a finite loss) one probe runs at the lowest scale `backoff` can reach:
+    if the gradients are not finite even there, the scale is not the cause (e.g. a NaN from `sqrt(0)`'s derivative)
+    and no retry runs, so the step costs the scale exactly what a skip costs (one backoff by `adjust`). Returns
+    `(loss_scale used, grads, check, retries, nonfinite_at_min_scale)`.
+    """
 
     def attempt(loss_scale):
         g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, with_stats)
         return g, _check_grads(g.grads)
 
+    def can_lower(loss_scale):
+        return loss_scale.backoff().loss_scale < loss_scale.loss_scale
+
     first, check = attempt(state.loss_scale)
+    # A non-finite loss comes from the forward pass or the inputs, before the scale: no scale can fix it.
+    worth_trying = (~check.finite) & jnp.isfinite(first.loss) & can_lower(state.loss_scale) & (max_retries > 0)
+    at_min_finite = jax.lax.cond(worth_trying, lambda: attempt(state.loss_scale.lowest())[1].finite,
+                                 lambda: jnp.ones((), jnp.bool_))
 
     def cond(carry):
         loss_scale, g, check, retries = carry
-        progress = loss_scale.backoff().loss_scale < loss_scale.loss_scale
-        # A non-finite loss comes from the forward pass or the inputs, before the scale: no scale can fix it.
-        return (~check.finite) & jnp.isfinite(g.loss) & (retries < max_retries) & progress
+        return (~check.finite) & jnp.isfinite(g.loss) & (retries < max_retries) & can_lower(loss_scale) \
+            & at_min_finite
 
     def body(carry):
         loss_scale, _, _, retries = carry
@@ -166,7 +183,8 @@ def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries):
         g, check = attempt(loss_scale)
         return loss_scale, g, check, retries + 1
 
-    return jax.lax.while_loop(cond, body, (state.loss_scale, first, check, jnp.zeros((), jnp.int32)))
+    carry = jax.lax.while_loop(cond, body, (state.loss_scale, first, check, jnp.zeros((), jnp.int32)))
+    return (*carry, ~at_min_finite)
 
 
 def train_step(
@@ -212,8 +230,10 @@ def train_step(
       on_overflow: `"skip"` (torch.amp, jmp: drop the update, back the scale off) or `"retry"`: back the scale off
         (`loss_scale.backoff()`, ignoring hysteresis) and recompute the same batch inside this call, up to
         `max_retries` times, so no batch is lost to a too-high scale; it falls back to a skip when retries run out,
-        the scale cannot go lower, or the loss itself is not finite (a forward-pass or input problem that no scale
-        fixes: skipped at once, one backoff). Static.
+        the scale cannot go lower, the loss itself is not finite (a forward-pass or input problem that no scale
+        fixes: skipped at once, one backoff), or the gradients are not finite even at the lowest scale (one probe
+        there after the first overflow: then the scale is not the cause, no retry runs, and the step costs the
+        scale one backoff, as a skip does). Static.
       max_retries: retries per step for `"retry"`. Static. (`"skip"` steps are differentiable, e.g. for
         hypergradients; `"retry"` runs a `lax.while_loop`, which reverse-mode differentiation does not support.)
       underflow_stats: add gradient underflow and headroom statistics to the metrics (`grad_stats.underflow_stats`).
@@ -224,7 +244,9 @@ def train_step(
       forward pass or the inputs rather than a gradient overflow), `grad_norm` (f32[], global L2 norm of the
       unscaled gradients before clipping; inf or NaN on overflow), `loss_scale` (f32[], the scale the gradients
       were finally computed with), `grads_finite` (bool[]), `grads_finite_leaves` (a tree of bool[] like the params:
-      which leaves overflowed), `retries` (i32[]), `aux` when `loss_fn` returns one, and `underflow` when asked.
+      which leaves overflowed; None at frozen leaves), `retries` (i32[]), `nonfinite_at_min_scale` (bool[], retry
+      mode only: the probe at the lowest scale overflowed too, so the scale was not the cause), `aux` when `loss_fn`
+      returns one, and `underflow` when asked.
 
     Raises:
       ValueError: `loss_fn` returned something other than a float scalar or a `(loss, aux)` pair, the batch leaves
@@ -245,22 +267,26 @@ def train_step(
         raise ValueError(f"accum_steps must be >= 1 and max_retries >= 0, got {accum_steps}, {max_retries}")
     rng = jax.random.fold_in(state.rng, state.step)
     if on_overflow == "retry":
-        loss_scale, g, check, retries = _retry(state, batch, loss_fn, rng, accum_steps, underflow_stats, max_retries)
+        loss_scale, g, check, retries, futile = _retry(state, batch, loss_fn, rng, accum_steps, underflow_stats,
+                                                       max_retries)
     else:
         loss_scale, retries = state.loss_scale, jnp.zeros((), jnp.int32)
         g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, underflow_stats)
         check = _check_grads(g.grads)  # the one finite check, and the norm metric, in one pass over the gradients
     grads_finite = check.finite
+    train_params, frozen = split_frozen(state.params, state.trainable)
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with i32 counts; all float32 here
         # `value`: the unscaled float32 loss, for transformations that use it (optax.contrib.reduce_on_plateau,
         # optax.polyak_sgd); plain GradientTransformations ignore it (`with_extra_args_support`).
         updates, new_opt_state = optax.with_extra_args_support(state.tx).update(
-            g.grads, state.opt_state, state.params, value=g.loss)
-        new_params = optax.apply_updates(state.params, updates)  # cast back to the params' dtypes
+            g.grads, state.opt_state, train_params, value=g.loss)
+        new_params = optax.apply_updates(train_params, updates)  # cast back to the params' dtypes
     # Master weights in float16/bfloat16 (a jmp string such as "float16"): the float32 gradients promote optax's
     # moments; every leaf keeps the dtype it has in the state, so state dtypes never drift.
-    new = jax.tree.map(lambda x, old: x.astype(old.dtype), (new_params, new_opt_state), (state.params, state.opt_state))
-    params, opt_state = select_tree(grads_finite, new, (state.params, state.opt_state))
+    old = (train_params, state.opt_state)
+    new = jax.tree.map(lambda x, o: x.astype(o.dtype), (new_params, new_opt_state), old)
+    train_params, opt_state = select_tree(grads_finite, new, old)
+    params = merge_frozen(train_params, frozen)  # frozen leaves: the very arrays they were
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               loss_scale=loss_scale.adjust(grads_finite))
     metrics = {
@@ -272,6 +298,8 @@ def train_step(
         "grads_finite_leaves": check.finite_leaves,
         "retries": retries,
     }
+    if on_overflow == "retry":
+        metrics["nonfinite_at_min_scale"] = futile
     if g.aux is not None:
         metrics["aux"] = g.aux
     if g.stats is not None:

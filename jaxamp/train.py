@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from jaxamp.checkpoint import Checkpointer
+from jaxamp.checkpoint import Checkpointer, loss_scale_from_record
 from jaxamp.sharding import (abstract_state, check_distributed_args, distributed_args_from_env, format_mesh_spec,
                              gather_to_host, initialize_distributed, is_main_process, jit_eval_step, jit_train_step,
                              make_global_batch, make_mesh, parse_mesh_spec, shard_state)
@@ -30,7 +30,8 @@ from jaxamp.data import batch_at, eval_batches
 from jaxamp.grad_stats import nonfinite_paths, worst_leaves
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp.metrics_log import MetricsLogger, read_metrics
-from jaxamp.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss, generate
+from jaxamp.fidelity import grad_fidelity, worst
+from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, count_params, cross_entropy_loss, generate
 from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name
 from jaxamp.presets import MODEL_PRESETS, PRESET_FIELDS
 from jaxamp.state import TrainState
@@ -42,6 +43,9 @@ RESUME_MATCH_KEYS = ("corpus_sha256", "vocab_size", "precision", "loss_scale", "
                      "layers", "heads", "width", "seq_len", "batch_size", "seed", "dropout", "bias", "lr", "min_lr",
                      "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2", "grad_clip", "accum_steps",
                      "on_overflow", "max_retries")
+# Of those, the ones that may change together with the precision (fp32 <-> bf16 <-> fp16 on resume): the master
+# weights and optimizer state carry over, the loss scale is made anew for the new precision.
+PRECISION_KEYS = ("precision", "loss_scale", "init_scale", "growth_interval")
 
 
 class ConfigError(ValueError):
@@ -85,6 +89,7 @@ class TrainConfig:
     on_overflow: str = "skip"  # skip (drop the update) | retry (back off and recompute the same batch)
     max_retries: int = 4  # retries per step with --on-overflow retry
     underflow_stats: bool = False  # log gradient zero fraction and loss-scale headroom per step
+    fidelity_every: int = 0  # steps between gradient-fidelity checks against float32 (0 = off)
     max_consecutive_skips: int = 100  # stop (after saving) when this many steps in a row overflow
     keep: int = 3  # checkpoints kept (newest)
     seed: int = 1337
@@ -145,6 +150,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--on-overflow must be skip or retry, got {cfg.on_overflow!r}")
     if cfg.max_retries < 0:
         raise ConfigError(f"--max-retries must be >= 0, got {cfg.max_retries}")
+    if cfg.fidelity_every < 0:
+        raise ConfigError(f"--fidelity-every must be >= 0 (steps; 0 = off), got {cfg.fidelity_every}")
     if cfg.loss_scale not in LOSS_SCALES:
         raise ConfigError(f"--loss-scale must be one of {', '.join(LOSS_SCALES)}, got {cfg.loss_scale!r}")
     try:
@@ -167,6 +174,15 @@ def _validate_scale_out(cfg: TrainConfig) -> None:
                           f"{math.prod(shape.values())} devices of --mesh {cfg.mesh}")
     if several and shape is None:
         raise ConfigError("several processes need --mesh, e.g. --mesh data=N with N the devices of all processes")
+
+
+def make_policy(precision: str):
+    """The LM's policy for `--precision`: with half-precision compute, its embedding tables stay float32 in the
+    compute copy (`LM_KEEP_FLOAT32`), so their gradients accumulate exactly."""
+    policy = get_policy(precision)
+    if jnp.dtype(policy.compute_dtype) == jnp.float32:
+        return policy
+    return get_policy(policy, keep_float32=LM_KEEP_FLOAT32)
 
 
 def make_loss_scale(cfg: TrainConfig) -> LossScale:
@@ -232,6 +248,7 @@ class Run:
     val_batches: list
     corpus_sha256: str
     mesh: Any = None  # a jax.sharding.Mesh when cfg.mesh is set: state and batches are global arrays on it
+    fidelity_fn: Any = None  # (state, batch) -> {leaf path: f32[] relative error against float32}
 
     def run_config(self) -> dict:
         """The config saved with each checkpoint: the options plus what the data and model derive from them."""
@@ -254,7 +271,7 @@ def build(cfg: TrainConfig) -> Run:
     model = TransformerLM(model_cfg)
     init_key, state_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
     params = model.init(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
-    state = TrainState.create(params=params, tx=make_optimizer(cfg, params), policy=get_policy(cfg.precision),
+    state = TrainState.create(params=params, tx=make_optimizer(cfg, params), policy=make_policy(cfg.precision),
                               loss_scale=make_loss_scale(cfg), rng=state_key)
     if mesh is not None:
         state = shard_state(state, mesh)  # every leaf a global array: params/opt_state by the FSDP rule
@@ -267,13 +284,14 @@ def build(cfg: TrainConfig) -> Run:
 
     step_fn = jax.jit(step_with_lr, donate_argnums=0)
     eval_fn = jax.jit(lambda s, b: eval_step(s, b, loss_fn)["loss"])
+    fidelity_fn = jax.jit(lambda s, b: grad_fidelity(s, b, loss_fn, accum_steps=cfg.accum_steps))
     if mesh is not None:  # shardings pinned: a step's output feeds the next one (and a restore) with no recompile
         step_fn = jit_train_step(step_with_lr, mesh)
         eval_fn = jit_eval_step(lambda s, b: eval_step(s, b, loss_fn)["loss"], mesh)
     val = eval_batches(dataset.val, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                        num_batches=cfg.eval_batches, seed=cfg.seed, vocab_size=dataset.vocab_size)
     val = [_device_batch(mesh, b) for b in val]
-    return Run(cfg, dataset, model, state, step_fn, eval_fn, val, dataset.sha256, mesh)
+    return Run(cfg, dataset, model, state, step_fn, eval_fn, val, dataset.sha256, mesh, fidelity_fn)
 
 
 def _device_batch(mesh, batch):
@@ -326,6 +344,10 @@ def _record(step: int, m: dict, tokens_per_s: float) -> dict:
               "tokens_per_s": tokens_per_s}
     if not record["grads_finite"]:
         record["nonfinite_leaves"] = nonfinite_paths(m["grads_finite_leaves"])
+    if "nonfinite_at_min_scale" in m:
+        record["nonfinite_at_min_scale"] = bool(m["nonfinite_at_min_scale"])
+    if "grad_rel_err" in m:
+        record["grad_rel_err"] = {k: float(v) for k, v in m["grad_rel_err"].items()}
     if "underflow" in m:
         u = m["underflow"]
         record.update(grad_zero_fraction=float(u["zero_fraction"]), headroom_log2=float(u["headroom_log2"]),
@@ -428,7 +450,7 @@ def _header(run: Run) -> str:
     return (f"jaxamp: {n:,} parameters ({n * dtype.itemsize / 2**20:.1f} MiB {dtype.name} master weights); data "
             f"{run.dataset.description}; vocab {run.dataset.vocab_size}; train {len(run.dataset.train):,} / val "
             f"{len(run.dataset.val):,} tokens; {cfg.tokens_per_step():,} tokens per step; precision "
-            f"{policy_name(run.state.policy)}"
+            f"{policy_name(run.state.policy, rules=False)}"
             f"{' (auto: ' + auto_precision()[1] + ')' if cfg.precision.strip().lower() == 'auto' else ''}; "
             f"loss scale {type(run.state.loss_scale).__name__}"
             + ("" if run.mesh is None else f"; mesh {format_mesh_spec(run.mesh)} over {jax.device_count()} devices "
@@ -451,8 +473,11 @@ def _summary(run: Run, state: TrainState, records: list[dict], wall_s: float) ->
     train_loss = float(np.mean(jax.device_get([run.eval_fn(state, b) for b in train_eval])))
     speeds = [r["tokens_per_s"] for r in records[cfg.log_every:]] or [r["tokens_per_s"] for r in records]
     val = [r["val_loss"] for r in records if "val_loss" in r]
+    switches = [{"step": r["step"], "from": r["precision_from"], "to": r["precision"]}
+                for r in records if "precision_from" in r]
     chars = run.dataset.chars_per_token  # nats/char = nats/token / (chars/token)
-    return {"precision": policy_name(state.policy), "loss_scale_kind": type(state.loss_scale).__name__,
+    return {"precision": policy_name(state.policy, rules=False), "precision_switches": switches,
+            "loss_scale_kind": type(state.loss_scale).__name__,
             "steps": int(state.step), "val_loss": val[-1] if val else None,
             "val_loss_per_char": val[-1] / chars if val and chars else None, "chars_per_token": chars,
             "vocab_size": run.dataset.vocab_size, "train_loss": train_loss,
@@ -582,31 +607,73 @@ def _finished_summary(workdir: Path, cfg: TrainConfig, step: int) -> dict | None
     return summary
 
 
-def _resume(run: Run, ckpt: Checkpointer) -> TrainState:
-    """The newest usable checkpoint's state, or the fresh state when the workdir has none."""
+def _resume(run: Run, ckpt: Checkpointer) -> tuple[TrainState, str | None]:
+    """The newest usable checkpoint's state (or the fresh state when the workdir has none), and the precision it was
+    saved with when this run switches to another one (else None)."""
     if ckpt.latest_step() is None:
-        return run.state
-    abstract = jax.eval_shape(lambda: run.state) if run.mesh is None else abstract_state(run.state, run.mesh)
-    state, _ = ckpt.restore(abstract, run.run_config(), match_keys=RESUME_MATCH_KEYS,
+        return run.state, None
+    target, match_keys, switched_from = run.state, RESUME_MATCH_KEYS, None
+    settings = ckpt.read_settings()  # None if unreadable: restore reports it and falls back
+    if settings is not None and settings[1].get("policy") != policy_name(run.state.policy):
+        # Saved under another policy: restore into a target with the saved one, then carry the run over. (A policy
+        # that differs only in its per-leaf rule, e.g. a checkpoint of an older jaxamp, is no precision switch.)
+        target, saved_name = _saved_precision_target(run, *settings)
+        if saved_name != policy_name(run.state.policy, rules=False):
+            switched_from, match_keys = saved_name, tuple(k for k in RESUME_MATCH_KEYS if k not in PRECISION_KEYS)
+    abstract = jax.eval_shape(lambda: target) if run.mesh is None else abstract_state(target, run.mesh)
+    state, _ = ckpt.restore(abstract, run.run_config(), match_keys=match_keys,
                             set_aside=Path(run.cfg.workdir) / "unusable-checkpoints")
     _say(f"resumed from step {int(state.step)} ({ckpt.directory})")
-    return state
+    if target is run.state:
+        return state, None
+    same_scale = (type(state.loss_scale) is type(run.state.loss_scale)
+                  and getattr(state.loss_scale, "config", dict)() == getattr(run.state.loss_scale, "config", dict)())
+    state = state.with_policy(run.state.policy, state.loss_scale if same_scale else run.state.loss_scale)
+    if switched_from is not None:
+        _say(f"precision: switched from {switched_from} to {policy_name(run.state.policy, rules=False)} (master "
+             f"weights and optimizer state carried over; loss scale {type(state.loss_scale).__name__}"
+             f"{' kept' if same_scale else ' made anew'})")
+    return state, switched_from
+
+
+def _saved_precision_target(run: Run, config: dict, record: dict) -> tuple[TrainState, str]:
+    """The fresh state under the checkpoint's own policy and loss scale (the restore target when the precision
+    changes on resume), and the saved precision's name.
+
+    Raises:
+      ConfigError: the saved master weights have another dtype than this run's (their optimizer state differs).
+    """
+    saved = get_policy(record["policy"])
+    old, new = jnp.dtype(saved.param_dtype), jnp.dtype(run.state.policy.param_dtype)
+    if old != new:
+        raise ConfigError(
+            f"the checkpoint in {run.cfg.workdir} keeps its master weights in {old.name} (precision "
+            f"{config.get('precision')!r}) but --precision {run.cfg.precision} keeps them in {new.name}; resume with "
+            f"a precision whose master weights are {old.name} (fp32, bf16 and fp16 all keep float32), or pass a new "
+            "--workdir")
+    target = run.state.replace(policy=saved, loss_scale=loss_scale_from_record(record.get("loss_scale") or {}))
+    return target, policy_name(saved, rules=False)
 
 
 class _Loop:
     """Steps, a fetch of metrics per logging interval, evaluation and checkpoints; owns no state of its own."""
 
-    def __init__(self, run: Run, ckpt: Checkpointer, logger: MetricsLogger):
+    def __init__(self, run: Run, ckpt: Checkpointer, logger: MetricsLogger, switched_from: str | None = None):
         self.run, self.ckpt, self.logger = run, ckpt, logger
         self.step_fn = run.step_fn
         self.pending: list[dict] = []
         self.t0 = time.perf_counter()
+        # The first record after a precision switch says so (summary.json lists the switches from these records).
+        self.first_extra = {} if switched_from is None else {
+            "precision": policy_name(run.state.policy, rules=False), "precision_from": switched_from}
 
     def flush(self, state: TrainState, done: int, *, evaluate_now: bool) -> list[dict]:
         """Fetches the pending metrics once (steps up to `done`), adds val_loss if asked, and logs them."""
         if not self.pending:
             return []
         new = _records(self.pending, done - len(self.pending), self.t0, self.run.cfg.tokens_per_step())
+        new[0].update(self.first_extra)
+        self.first_extra = {}
         if evaluate_now:
             new[-1]["val_loss"] = evaluate(self.run, state)
         self.logger.write(new)
@@ -619,8 +686,10 @@ class _Loop:
     def step(self, state: TrainState, step: int) -> TrainState:
         """Runs step `step` (== state.step, mirrored on the host so the loop never waits on the device)."""
         batch = train_batch(self.run, step)
-        state, metrics = self.step_fn(state, batch)
-        self.pending.append(metrics)
+        every = self.run.cfg.fidelity_every
+        errors = self.run.fidelity_fn(state, batch) if every and (step + 1) % every == 0 else None
+        state, metrics = self.step_fn(state, batch)  # donates the state: the check above ran first
+        self.pending.append(metrics if errors is None else {**metrics, "grad_rel_err": errors})
         return state
 
 
@@ -645,7 +714,7 @@ def train(cfg: TrainConfig) -> dict:
     # finished run complete and exit 0.
     with lock, StopRequest() as stop:
         try:
-            state = _resume(run, ckpt)
+            state, switched_from = _resume(run, ckpt)
             finished = _finished_summary(workdir, cfg, int(state.step))
             if finished is not None:
                 return finished
@@ -653,7 +722,7 @@ def train(cfg: TrainConfig) -> dict:
                 write_bpe_cache(run.dataset.bpe_cache, workdir / BPE_DIR)
             _say(_header(run))
             logger = MetricsLogger(workdir, resume_step=int(state.step)) if is_main_process() else _NullLogger()
-            state, stopped_by, wall_s = _train_loop(run, ckpt, logger, state, stop)
+            state, stopped_by, wall_s = _train_loop(run, ckpt, logger, state, stop, switched_from)
             logger.close()
             ckpt.wait()
         finally:
@@ -682,8 +751,17 @@ def _report_skips(bar, records: list[dict]) -> None:
                   (f"; {len(skipped) - 1} more skipped up to step {records[-1]['step']}" if len(skipped) > 1 else ""))
 
 
-def _train_loop(run: Run, ckpt: Checkpointer, logger: MetricsLogger, state: TrainState, stop: StopRequest):
-    cfg, loop = run.cfg, _Loop(run, ckpt, logger)
+def _report_fidelity(bar, records: list[dict]) -> None:
+    """One line per gradient-fidelity check: the three leaves whose gradients are furthest from float32."""
+    for r in records:
+        if "grad_rel_err" in r and is_main_process():
+            leaves = ", ".join(f"{k} {100 * v:.2f}%" for k, v in worst(r["grad_rel_err"], 3))
+            bar.write(f"step {r['step']}: gradient error against float32, worst leaves: {leaves}")
+
+
+def _train_loop(run: Run, ckpt: Checkpointer, logger: MetricsLogger, state: TrainState, stop: StopRequest,
+                switched_from: str | None = None):
+    cfg, loop = run.cfg, _Loop(run, ckpt, logger, switched_from)
     bar = tqdm(total=cfg.steps, initial=min(int(state.step), cfg.steps), dynamic_ncols=True,
                disable=not is_main_process() or ((not cfg.progress) if cfg.progress is not None else None))
     t_start, stopped_by, done = time.perf_counter(), None, int(state.step)
@@ -698,6 +776,7 @@ def _train_loop(run: Run, ckpt: Checkpointer, logger: MetricsLogger, state: Trai
         if at_eval or at_save or done % cfg.log_every == 0 or stop.signal is not None:
             new = loop.flush(state, done, evaluate_now=at_eval)
             _report_skips(bar, new)
+            _report_fidelity(bar, new)
             diverged = guard.check(new)
             if diverged:
                 loop.save(state, force=True)

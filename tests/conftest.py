@@ -1,14 +1,34 @@
-"""Shared test set-up: strict dtype promotion around our code, and the optional tinyshakespeare corpus."""
+"""Shared test set-up: strict dtype promotion around our code, and the optional tinyshakespeare corpus.
+
+`../shared` (beside the checkout) exists in CI, not on a user's fresh machine. Every test that reads it goes through
+the fixtures below, which skip (`shakespeare_path`) or adapt (`text_corpus`) when it is absent, and carries the
+`shared_data` marker (added here). `JAXAMP_TEST_WITHOUT_SHARED=1` makes them behave as on a machine without it; CI
+runs `pytest -m shared_data` a second time that way (.ci/run).
+"""
 
 import importlib.util
 import math
+import os
 from pathlib import Path
 
 import jax
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+WITHOUT_SHARED = os.environ.get("JAXAMP_TEST_WITHOUT_SHARED") == "1"
+SHARED_FIXTURES = ("shakespeare_path", "text_corpus")
+
+
+def shakespeare() -> Path | None:
+    """tinyshakespeare's path, or None where ../shared is absent (or JAXAMP_TEST_WITHOUT_SHARED=1 says so)."""
+    return None if WITHOUT_SHARED or not SHAKESPEARE.exists() else SHAKESPEARE
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in SHARED_FIXTURES):
+            item.add_marker(pytest.mark.shared_data)
 
 
 @pytest.fixture(autouse=True)
@@ -18,11 +38,25 @@ def strict_promotion():
         yield
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def shakespeare_path() -> Path:
-    if not SHAKESPEARE.exists():
+    """tinyshakespeare; skips where it is absent (a test whose expected values are tinyshakespeare's)."""
+    path = shakespeare()
+    if path is None:
         pytest.skip(f"tinyshakespeare corpus not found at {SHAKESPEARE} (it lives in ../shared/data beside the repo)")
-    return SHAKESPEARE
+    return path
+
+
+@pytest.fixture(scope="session")
+def text_corpus(tmp_path_factory) -> Path:
+    """60,000 characters of tinyshakespeare, or of the default corpus (the stdlib's sources) where it is absent."""
+    from jaxamp.data import default_corpus_text
+
+    path = shakespeare()
+    text = path.read_text(encoding="utf-8")[:60_000] if path else default_corpus_text(60_000)
+    out = tmp_path_factory.mktemp("data") / ("shakespeare_slice.txt" if path else "stdlib_slice.txt")
+    out.write_text(text, encoding="utf-8")
+    return out
 
 
 def table_rows(text: str) -> dict[str, list[str]]:

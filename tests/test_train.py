@@ -28,15 +28,9 @@ TINY = ["--layers", "2", "--heads", "2", "--width", "32", "--seq-len", "32", "--
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """The first 60,000 characters of tinyshakespeare (skips where the corpus is absent)."""
-    from conftest import SHAKESPEARE
-
-    if not SHAKESPEARE.exists():
-        pytest.skip(f"tinyshakespeare corpus not found at {SHAKESPEARE}")
-    path = tmp_path_factory.mktemp("data") / "shakespeare_slice.txt"
-    path.write_text(SHAKESPEARE.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
-    return path
+def corpus(text_corpus):
+    """60,000 characters of tinyshakespeare, or of the stdlib's sources where ../shared is absent (conftest)."""
+    return text_corpus
 
 
 def cli(*args, timeout=240):
@@ -542,3 +536,49 @@ sys.exit(0)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 130, result.stderr
     assert "first signal noted" in result.stdout
+
+
+def _tree_snapshot(directory: Path) -> dict:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_precision_switches_on_resume_as_the_error_advises(corpus, tmp_path):
+    """fp16 at a scale that overflows stops at step 1 advising bf16; bf16 resumes from the saved master weights and
+    optimizer state, then fp32 does; a change of master-weight dtype is refused and touches nothing."""
+    workdir = tmp_path / "switch"
+    base = ["--data", corpus, "--workdir", workdir, *TINY, "--log-every", 1, "--checkpoint-every", 3,
+            "--sample-tokens", 0, "--decay-steps", 20]
+    first = cli(*base, "--precision", "fp16", "--init-scale", 2.0**24, "--max-consecutive-skips", 1, "--steps", 8)
+    assert first.returncode == 3 and "try --precision bf16" in first.stderr, first.stderr
+    second = cli(*base, "--precision", "bf16", "--steps", 4)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from step 1" in second.stdout and "switched from fp16 to bf16" in second.stdout
+    third = cli(*base, "--precision", "fp32", "--steps", 6)
+    assert third.returncode == 0, third.stderr
+    records = read_metrics(workdir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 7))  # no duplicate records
+    assert not records[0]["grads_finite"] and all(r["grads_finite"] for r in records[1:])
+    assert (records[1]["precision_from"], records[1]["precision"]) == ("fp16", "bf16")
+    assert (records[4]["precision_from"], records[4]["precision"]) == ("bf16", "fp32")
+    assert [r["loss_scale"] for r in records[1:]] == [1.0] * 5  # the fp16 scale was not carried into bf16
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["precision"] == "fp32" and summary["precision_switches"] == [
+        {"step": 2, "from": "fp16", "to": "bf16"}, {"step": 5, "from": "bf16", "to": "fp32"}]
+    before = _tree_snapshot(workdir)
+    refused = cli(*base, "--precision", "float16", "--steps", 8)  # float16 master weights
+    assert refused.returncode == 2 and "master weights in float32" in refused.stderr, refused.stderr
+    errors = [line for line in refused.stderr.splitlines() if not line.startswith("WARNING:absl")]  # orbax's reader
+    assert "fp32, bf16 and fp16 all keep float32" in refused.stderr and len(errors) == 1
+    assert _tree_snapshot(workdir) == before
+
+
+def test_fidelity_every_writes_grad_rel_err(corpus, tmp_path, capsys):
+    workdir = tmp_path / "fidelity"
+    code = train_lm.main(["--data", str(corpus), "--precision", "bf16", "--steps", "4", "--fidelity-every", "2",
+                          "--workdir", str(workdir), *TINY])
+    assert code == 0
+    records = read_metrics(workdir / "metrics.jsonl")
+    assert ["grad_rel_err" in r for r in records] == [False, True, False, True]
+    errors = records[1]["grad_rel_err"]
+    assert set(errors) >= {"wte/embedding", "h_0/mlp/c_fc/kernel"} and 0 < max(errors.values()) < 0.02
+    assert "gradient error against float32, worst leaves:" in capsys.readouterr().out
