@@ -27,7 +27,8 @@ HELP = {
                   "meta.pkl's, else GPT-2's 50304; characters: default the distinct characters)",
     "model": "model size preset: small (4 layers, 4 heads, width 128, seq 64) | gpt2-124m (12, 12, 768, 1024) | "
              "gpt2-medium (24, 16, 1024, 1024); --layers/--heads/--width/--seq-len override it",
-    "precision": "fp32 | bf16 | fp16 | auto (bf16 on TPUs and GPUs of compute capability >= 8.0, fp16 on 7.x, "
+    "precision": "fp32 | bf16 | fp16 | fp8 (bf16 compute, Dense matmuls in FP8 with delayed scaling) | auto "
+                 "(bf16 on TPUs and GPUs of compute capability >= 8.0, fp16 on 7.x, "
                  "fp32 on older GPUs and CPUs) | a jmp policy string such as 'p=f32,c=f16,o=f32'; may change "
                  "between fp32, bf16 and fp16 on resume (the loss scale is then made anew)",
     "loss_scale": "auto (dynamic for float16 compute, else none) | dynamic | static | none",
@@ -48,6 +49,7 @@ HELP = {
     "on_overflow": "skip (drop the update, back off) | retry (back off and recompute the same batch)",
     "max_retries": "retries per step with --on-overflow retry",
     "underflow_stats": "log the gradients' zero fraction and the loss scale's headroom each step",
+    "fp8_amax_history": "steps of amax history per FP8 tensor (--precision fp8)",
     "fidelity_every": "steps between gradient-fidelity checks: each leaf's relative error against a float32 "
                       "recomputation of the same batch, as grad_rel_err in metrics.jsonl (0 = off)",
     "max_consecutive_skips": "stop, after saving, when this many steps in a row overflow (or 10 at the minimum "

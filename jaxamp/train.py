@@ -32,9 +32,9 @@ from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, Static
 from jaxamp.metrics_log import MetricsLogger, read_metrics
 from jaxamp.fidelity import grad_fidelity, worst
 from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, count_params, cross_entropy_loss, generate
-from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name
+from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name, uses_fp8
 from jaxamp.presets import MODEL_PRESETS, PRESET_FIELDS
-from jaxamp.state import TrainState
+from jaxamp.state import TrainState, split_fp8
 from jaxamp.step import eval_step, train_step
 
 LOSS_SCALES = ("auto", "dynamic", "static", "none")
@@ -42,7 +42,7 @@ LOSS_SCALES = ("auto", "dynamic", "static", "none")
 RESUME_MATCH_KEYS = ("corpus_sha256", "vocab_size", "precision", "loss_scale", "init_scale", "growth_interval",
                      "layers", "heads", "width", "seq_len", "batch_size", "seed", "dropout", "bias", "lr", "min_lr",
                      "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2", "grad_clip", "accum_steps",
-                     "on_overflow", "max_retries")
+                     "on_overflow", "max_retries", "fp8_amax_history")
 # Of those, the ones that may change together with the precision (fp32 <-> bf16 <-> fp16 on resume): the master
 # weights and optimizer state carry over, the loss scale is made anew for the new precision.
 PRECISION_KEYS = ("precision", "loss_scale", "init_scale", "growth_interval")
@@ -90,6 +90,7 @@ class TrainConfig:
     max_retries: int = 4  # retries per step with --on-overflow retry
     underflow_stats: bool = False  # log gradient zero fraction and loss-scale headroom per step
     fidelity_every: int = 0  # steps between gradient-fidelity checks against float32 (0 = off)
+    fp8_amax_history: int = 1024  # steps of amax history per FP8 tensor (--precision fp8)
     max_consecutive_skips: int = 100  # stop (after saving) when this many steps in a row overflow
     keep: int = 3  # checkpoints kept (newest)
     seed: int = 1337
@@ -123,7 +124,7 @@ def validate(cfg: TrainConfig) -> None:
                 "heads": cfg.heads, "width": cfg.width, "eval_every": cfg.eval_every,
                 "eval_batches": cfg.eval_batches, "log_every": cfg.log_every, "growth_interval": cfg.growth_interval,
                 "checkpoint_every": cfg.checkpoint_every, "keep": cfg.keep, "accum_steps": cfg.accum_steps,
-                "max_consecutive_skips": cfg.max_consecutive_skips}
+                "max_consecutive_skips": cfg.max_consecutive_skips, "fp8_amax_history": cfg.fp8_amax_history}
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
@@ -223,13 +224,19 @@ def applied_lr(opt_state) -> jax.Array:
     raise ValueError("optimizer state holds no inject_hyperparams state with a learning_rate")
 
 
+def lm_variables(params) -> dict:
+    """The LM's variables for `model.apply`: the params tree as `{"params": ...}`, or the variables dict itself (an
+    FP8 model keeps `{"params": ..., "_overwrite_with_gradient": ...}` in the state)."""
+    return params if "params" in params else {"params": params}
+
+
 def make_loss_fn(model: TransformerLM):
     """`loss_fn(params, (inputs, targets), rng)`: mean cross-entropy in float32; dropout on when rng is given."""
 
     def loss_fn(params, batch, rng):
         inputs, targets = batch  # i32[batch, seq] each
         rngs = None if rng is None else {"dropout": rng}
-        logits = model.apply({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
+        logits = model.apply(lm_variables(params), inputs, deterministic=rng is None, rngs=rngs)
         return cross_entropy_loss(logits, targets)  # logits f32[batch, seq, vocab]
 
     return loss_fn
@@ -265,13 +272,15 @@ def build(cfg: TrainConfig) -> Run:
         raise ConfigError(str(err)) from None
     dataset = load_corpus(cfg.data, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
                           bpe_dir=Path(cfg.workdir) / BPE_DIR)
+    policy = make_policy(cfg.precision)
     model_cfg = TransformerConfig(vocab_size=dataset.vocab_size, seq_len=cfg.seq_len,
                                   num_layers=cfg.layers, num_heads=cfg.heads, width=cfg.width, dropout=cfg.dropout,
-                                  use_bias=cfg.bias)
+                                  use_bias=cfg.bias, fp8=uses_fp8(policy), fp8_amax_history=cfg.fp8_amax_history)
     model = TransformerLM(model_cfg)
     init_key, state_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
-    params = model.init(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
-    state = TrainState.create(params=params, tx=make_optimizer(cfg, params), policy=make_policy(cfg.precision),
+    variables = model.init(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))
+    params = variables if model_cfg.fp8 else variables["params"]  # FP8: scales and histories ride along
+    state = TrainState.create(params=params, tx=make_optimizer(cfg, split_fp8(params)[0]), policy=policy,
                               loss_scale=make_loss_scale(cfg), rng=state_key)
     if mesh is not None:
         state = shard_state(state, mesh)  # every leaf a global array: params/opt_state by the FSDP rule
@@ -284,7 +293,10 @@ def build(cfg: TrainConfig) -> Run:
 
     step_fn = jax.jit(step_with_lr, donate_argnums=0)
     eval_fn = jax.jit(lambda s, b: eval_step(s, b, loss_fn)["loss"])
-    fidelity_fn = jax.jit(lambda s, b: grad_fidelity(s, b, loss_fn, accum_steps=cfg.accum_steps))
+    # FP8: the float32 reference runs the same model without FP8 ops.
+    reference = make_loss_fn(TransformerLM(dataclasses.replace(model_cfg, fp8=False))) if model_cfg.fp8 else None
+    fidelity_fn = jax.jit(lambda s, b: grad_fidelity(s, b, loss_fn, accum_steps=cfg.accum_steps,
+                                                     reference_loss_fn=reference))
     if mesh is not None:  # shardings pinned: a step's output feeds the next one (and a restore) with no recompile
         step_fn = jit_train_step(step_with_lr, mesh)
         eval_fn = jit_eval_step(lambda s, b: eval_step(s, b, loss_fn)["loss"], mesh)
@@ -445,7 +457,7 @@ class StopRequest:
 
 
 def _header(run: Run) -> str:
-    cfg, n = run.cfg, count_params(run.state.params)
+    cfg, n = run.cfg, count_params(split_fp8(run.state.params)[0])
     dtype = jnp.dtype(run.state.policy.param_dtype)
     return (f"jaxamp: {n:,} parameters ({n * dtype.itemsize / 2**20:.1f} MiB {dtype.name} master weights); data "
             f"{run.dataset.description}; vocab {run.dataset.vocab_size}; train {len(run.dataset.train):,} / val "
@@ -459,8 +471,8 @@ def _header(run: Run) -> str:
 
 def _sample(run: Run, state: TrainState) -> str:
     tok = run.dataset.tokenizer
-    params = state.policy.cast_to_compute(state.params if run.mesh is None else gather_to_host(state.params))
-    ids = generate(run.model, {"params": params}, sample_prompt(tok), run.cfg.sample_tokens,
+    host = state if run.mesh is None else state.replace(params=gather_to_host(state.params))
+    ids = generate(run.model, lm_variables(host.compute_params()), sample_prompt(tok), run.cfg.sample_tokens,
                    jax.random.PRNGKey(run.cfg.seed))
     return decode_sample(tok, ids)
 
@@ -485,7 +497,7 @@ def _summary(run: Run, state: TrainState, records: list[dict], wall_s: float) ->
             "skipped_steps": sum(not r["grads_finite"] for r in records),
             "final_loss_scale": float(state.loss_scale.loss_scale),
             "tokens_per_s": float(np.median(speeds)) if speeds else None, "wall_s": wall_s,
-            "params": count_params(state.params), "tokens_per_step": cfg.tokens_per_step()}
+            "params": count_params(split_fp8(state.params)[0]), "tokens_per_step": cfg.tokens_per_step()}
 
 
 def _summary_line(s: dict) -> str:
@@ -644,6 +656,11 @@ def _saved_precision_target(run: Run, config: dict, record: dict) -> tuple[Train
       ConfigError: the saved master weights have another dtype than this run's (their optimizer state differs).
     """
     saved = get_policy(record["policy"])
+    if uses_fp8(saved) != uses_fp8(run.state.policy):
+        raise ConfigError(
+            f"the checkpoint in {run.cfg.workdir} was saved with precision {config.get('precision')!r} but this run "
+            f"has --precision {run.cfg.precision}: switching to or from fp8 changes the model's variables (FP8 "
+            "scales and amax histories); resume with the saved precision, or pass a new --workdir")
     old, new = jnp.dtype(saved.param_dtype), jnp.dtype(run.state.policy.param_dtype)
     if old != new:
         raise ConfigError(

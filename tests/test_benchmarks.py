@@ -61,7 +61,7 @@ def test_gpu_throughput_tiny(tmp_path):
     assert text in proc.stdout
     assert "device: cpu" in text and "jax " in text
     main_rows, memory_rows = (table_rows(part) for part in text.split("## Memory"))
-    for precision in ("fp32-highest", "fp32", "bf16", "fp16"):
+    for precision in ("fp32-highest", "fp32", "bf16", "fp16", "fp8"):
         cells = main_rows[precision]
         assert number(cells[0]) > 0 and number(cells[2]) > 0, cells  # step ms, tokens/s
         assert cells[3] == "n/a"  # MFU: no peak for a CPU
@@ -190,10 +190,29 @@ def test_gpu_check_dry_run(tmp_path):
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(tmp_path)], cwd=REPO,
                           env={**FAST_ENV, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {"env.txt", "tests.log", "gpu_throughput.md", "gpu_throughput.json", "gpu_profile.md"} <= {
-        p.name for p in tmp_path.iterdir()}
+    assert {p.name for p in tmp_path.iterdir()} == {"env.txt", "check.log", "gpu_throughput.md",
+                                                    "gpu_throughput.json", "gpu_paired.md", "gpu_profile.md"}
     assert "backend cpu" in (tmp_path / "env.txt").read_text()
-    assert "4 passed, 2 skipped" in (tmp_path / "tests.log").read_text()  # the cuDNN checks need a GPU
+    # The cuDNN and FP8 GEMM checks need a GPU; the 20-step comparison is left to the GPU run.
+    assert "3 passed, 3 skipped, 1 deselected" in (tmp_path / "check.log").read_text()
     results = json.loads((tmp_path / "gpu_throughput.json").read_text())["results"]
-    assert set(results) == {"fp32-highest", "fp32", "bf16", "fp16"} and all("error" not in r for r in results.values())
+    assert set(results) == {"fp32-highest", "fp32", "bf16", "fp16", "fp8"}
+    assert all("error" not in r for r in results.values())
     assert "## fp16:" in (tmp_path / "gpu_profile.md").read_text()
+    paired = (tmp_path / "gpu_paired.md").read_text()
+    assert "fp16 / bf16 step time: median over rounds" in paired and "| fp16 |" in paired
+
+
+def test_plot_ends_the_loss_scale_at_the_summarys_final_scale(tmp_path):
+    """Records hold the scale each step was computed with; a growth at the last step is in summary.json only."""
+    from jaxamp.plotting import _final_scale, load_run
+
+    _write_run(tmp_path / "run", steps=60, skipped_at=None, precision="fp16", seed=1)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({**summary, "final_loss_scale": 2.0**16}))
+    records = load_run(tmp_path / "run")
+    assert {r["loss_scale"] for r in records} == {2.0**15}
+    assert _final_scale(tmp_path / "run", records) == (60, 2.0**16)
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({**summary, "steps": 30, "final_loss_scale": 2.0}))
+    assert _final_scale(tmp_path / "run", records) is None  # a summary of another step: not plotted
+    assert plot_runs([tmp_path / "run"], tmp_path / "p.png").read_bytes()[:8] == PNG_SIGNATURE

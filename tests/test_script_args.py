@@ -18,7 +18,7 @@ def _cases(tmp_path):
         ("benchmarks/scaling.py", ["--steps", "0"], "--steps must be >= 1"),
         ("benchmarks/scaling.py", ["--warmup", "-1"], "--warmup must be >= 0"),
         ("benchmarks/scaling.py", ["--width", "30"], "--heads (4) must divide --width (30)"),
-        ("benchmarks/scaling.py", ["--precision", "fp8"], "--precision: unknown precision policy 'fp8'"),
+        ("benchmarks/scaling.py", ["--precision", "fp7"], "--precision: unknown precision policy 'fp7'"),
         ("benchmarks/scaling.py", ["--out", str(a_dir)], "is a directory"),
         ("benchmarks/nanogpt_compare.py", ["--width", "30"], "--heads (4) must divide --width (30)"),
         ("benchmarks/nanogpt_compare.py", ["--data", str(tmp_path / "missing.txt")], "is not a file"),
