@@ -217,7 +217,7 @@ def test_precision_fp8_trains_close_to_bf16(text_corpus, tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
     import train_lm
 
-    args = ["--data", str(text_corpus), "--layers", "2", "--heads", "2", "--width", "64", "--seq-len", "32",
+    args = ["--data", str(text_corpus), "--layers", "1", "--heads", "2", "--width", "64", "--seq-len", "32",
             "--batch-size", "16", "--steps", "60", "--warmup-steps", "10", "--eval-every", "60", "--eval-batches", "4",
             "--sample-tokens", "0", "--no-progress"]
     curves = {}
