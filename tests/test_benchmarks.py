@@ -70,6 +70,53 @@ def test_gpu_throughput_tiny(tmp_path):
         assert number(mem[-1]) > 0
 
 
+def test_gpu_throughput_tiny_on_token_files(tmp_path):
+    """--data DIR times real tokens: the batches of batch_at on its train.bin, with meta.pkl's vocabulary."""
+    import pickle
+
+    import numpy as np
+
+    from conftest import load_script
+    from jaxamp.data import batch_at
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, seed in (("train.bin", 0), ("val.bin", 1)):
+        np.random.default_rng(seed).integers(0, 40, 3000, dtype=np.uint16).tofile(data / name)
+    (data / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 40, "itos": {i: chr(65 + i) for i in range(40)}}))
+    gpu = load_script("benchmarks/gpu_throughput.py")
+    size = gpu._size(gpu.parse_args(["--tiny", "--data", str(data)]))
+    assert (size["vocab"], size["data"]) == (40, str(data))
+    ids = np.fromfile(data / "train.bin", "<u2")
+    for i, (x, y) in enumerate(gpu.data_batches(size, 2)):
+        ref = batch_at(ids, seed=0, step=i, batch_size=size["batch_size"], seq_len=size["seq_len"])
+        assert np.array_equal(x, ref[0]) and np.array_equal(y, ref[1])
+    out = tmp_path / "gpu.md"
+    proc = run_script("benchmarks/gpu_throughput.py", "--tiny", "--steps", "1", "--warmup", "1", "--precisions",
+                      "bf16", "--data", str(data), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert f"real tokens of {data}/train.bin" in text and "vocab 40," in text
+    assert number(table_rows(text.split("## Memory")[0])["bf16"][2]) > 0  # tokens/s
+
+
+def test_memmap_rss_tiny(tmp_path):
+    """Training batches from nanoGPT token files keep the peak resident set flat as train.bin grows 8x; reading the
+    file into memory (the control) grows it by the file's size, so the measurement does see a full read."""
+    out = tmp_path / "rss.md"
+    proc = run_script("benchmarks/memmap_rss.py", "--tiny", "--tmp-dir", str(tmp_path), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert text in proc.stdout and "os.cpu_count()" in text
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| 16 ") or
+            line.startswith("| 128 ")]
+    peak = {(int(r[0]), r[2].strip()): number(r[5]) for r in rows}
+    assert len(peak) == 6, rows
+    assert peak[(128, "np.fromfile")] > 0.9 * 128 and peak[(16, "np.fromfile")] > 0.9 * 16  # the control
+    assert peak[(128, "trainer")] < 16 and abs(peak[(128, "trainer")] - peak[(16, "trainer")]) < 2, peak
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rss.md"]  # the synthetic files are gone
+
+
 def _write_run(run_dir: Path, *, steps: int, skipped_at: int | None, precision: str | None, seed: int) -> None:
     run_dir.mkdir(parents=True)
     records, skipped, scale = [], 0, 2.0**15
