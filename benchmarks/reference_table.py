@@ -20,9 +20,11 @@ from jaxamp.cli import write_report  # noqa: E402
 
 NANOGPT_VAL = 1.88  # nanoGPT README, shakespeare_char CPU recipe
 # The target as restated in the fidelity issue: inside nanoGPT's own seed spread for the recipe (its printed val
-# loss over seeds 1337-1340: 1.8828-1.9134, benchmarks/results/nanogpt_compare.md), and half precision within 0.5%.
+# loss over seeds 1337-1340: 1.8828-1.9134, benchmarks/results/nanogpt_compare.md), half precision within 0.5% of
+# fp32, and fp8 (the FP8 issue) within 1%.
 SEED_SPREAD = (1.88, 1.91)
-WITHIN = 0.005
+WITHIN = {"fp8": 0.01}  # precision -> allowed relative distance of its val loss from fp32's
+WITHIN_DEFAULT = 0.005
 COMMAND = ("python experiments/train_lm.py --data ../shared/data/tinyshakespeare.txt --precision {p} --layers 4 "
            "--heads 4 --width 128 --seq-len 64 --batch-size 12 --steps 2000 --lr 1e-3 --dropout 0 "
            "--workdir runs/reference/{p}")
@@ -46,7 +48,7 @@ def table(runs: list[Path]) -> str:
         "",
         "| precision | loss scale | val loss | final train loss | skipped steps | final loss scale | tokens/s | "
         f"wall time (s) | in nanoGPT's seed spread ({SEED_SPREAD[0]}-{SEED_SPREAD[1]}) | "
-        f"within {WITHIN:.1%} of fp32 |",
+        "within 0.5% of fp32 (fp8: 1%) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in summaries:
@@ -55,8 +57,8 @@ def table(runs: list[Path]) -> str:
             f"| {s['precision']} | {s['loss_scale_kind']} | {s['val_loss']:.4f} | {s['train_loss']:.4f} | "
             f"{s['skipped_steps']} | {s['final_loss_scale']:g} | {s['tokens_per_s']:.0f} | {s['wall_s']:.0f} | "
             f"{'yes' if SEED_SPREAD[0] <= s['val_loss'] <= SEED_SPREAD[1] else 'NO'} | "
-            f"{rel:.2%} {'yes' if rel <= WITHIN else 'NO'} |")
-    lines += ["", "Commands (`bash benchmarks/reference_run.sh` runs all three and this script):", ""]
+            f"{rel:.2%} {'yes' if rel <= WITHIN.get(s['precision'], WITHIN_DEFAULT) else 'NO'} |")
+    lines += ["", "Commands (`bash benchmarks/reference_run.sh` runs them all and this script):", ""]
     lines += [f"    {COMMAND.format(p=s['precision'])}" for s in summaries]
     return "\n".join(lines) + "\n"
 
