@@ -279,31 +279,39 @@ def gelu_timing(shape: tuple, args) -> dict:
 # Where the jaxamp step's time goes (--profile)
 
 
-def kind_of(op_name: str, opcode: str) -> str:
-    """The kind of work of one compiled op, from its opcode and the op_name metadata JAX gives it."""
+def kind_of(op_name: str, opcode: str, transposes: bool) -> str:
+    """The kind of work of one compiled op, from its opcode, whether it (or its fused computation) transposes, and
+    the op_name metadata JAX gives it."""
     if opcode == "dot" or "dot_general" in op_name:
         return "matmuls (Dense layers, attention, tied head; forward and backward)"
+    if transposes:
+        return "layout transposes (mostly of gradients for the weight-gradient matmuls), with the elementwise work " \
+               "XLA fused into them"
     if "/mlp/" in op_name:
-        return "GELU (exact erf) and the MLP's bias adds"
+        return "GELU (exact erf) forward and backward"
     if "/attn/" in op_name:
-        return "attention core: softmax, mask, scale, head transposes"
+        return "attention core: softmax, mask, scale"
     if "/ln_" in op_name:
-        return "LayerNorm, and the residual-gradient sums fused into it"
+        return "LayerNorm forward and backward, and the residual-gradient sums fused into it"
     if "TransformerLM" in op_name:
         return "embeddings, residual adds, tied head's other ops"
     return "loss, AdamW, gradient clipping, metrics"
 
 
 def hlo_ops(text: str) -> dict:
-    """`{op name: (opcode, op_name metadata)}` for the entry computation of a compiled module's text."""
+    """`{op name: (opcode, op_name metadata, transposes)}` for the entry computation of a compiled module's text;
+    `transposes`: the op is a transpose or a fusion whose computation contains one."""
     import re  # pylint: disable=import-outside-toplevel
 
+    bodies = {m.group(1): m.group(2) for m in re.finditer(r"\n%(\S+) \([^\n]*\{\n(.*?)\n\}", text, re.S)}
     ops = {}
     for line in text[text.index("\nENTRY"):].splitlines():
         m = re.match(r"\s*(?:ROOT )?%(\S+) = \S+ (\w[\w-]*)\(", line)
         if m:
-            meta = re.search(r'op_name="([^"]*)"', line)
-            ops[m.group(1)] = (m.group(2), meta.group(1) if meta else "")
+            meta, calls = re.search(r'op_name="([^"]*)"', line), re.search(r"calls=%([^,\s]+)", line)
+            body = bodies.get(calls.group(1), "") if calls else ""
+            transposes = m.group(2) == "transpose" or " transpose(" in body
+            ops[m.group(1)] = (m.group(2), meta.group(1) if meta else "", transposes)
     return ops
 
 
@@ -330,7 +338,7 @@ def profile_step(run, batches: list, steps: int) -> dict:
             durations.setdefault(e["name"], []).append(e.get("dur", 0) / 1e3)  # ms
     kinds: dict = {}
     for name, ds in durations.items():
-        kind = kind_of(ops[name][1], ops[name][0])
+        kind = kind_of(ops[name][1], ops[name][0], ops[name][2])
         kinds[kind] = kinds.get(kind, 0.0) + statistics.median(ds)
     return {"steps": steps, "wall_ms": 1e3 * wall, "ops": len(durations), "kinds": kinds}
 
@@ -442,6 +450,11 @@ NOTES = [
     "- A cheaper exact GELU would have to match `nn.gelu(approximate=False)` to float32 rounding; the GELU table "
     "says how far the erf form is from it. XLA's `erf` is one rational function; its `erfc` (in jaxamp's exact "
     "GELU) evaluates an `exp`, two divisions and three polynomials for every element.",
+    "- The profile's transpose row: XLA:CPU (jax 0.10.2) runs the weight-gradient matmuls `x^T g` through Eigen "
+    "with the gradient `g` transposed first, and when `g` is still an unmaterialised elementwise expression (the GELU "
+    "backward without a bias-gradient reduction to materialise it, or the residual stream's gradient: a running sum "
+    "of LayerNorm-backward terms) XLA fuses that expression into the transpose, which then reads its inputs with a "
+    "stride of a whole row. Those transposes exist in the plain Flax model too.",
     "- PyTorch's multi-threaded row depends on the machine's load: its OpenMP workers spin-wait, and a descheduled "
     "worker stalls the step (see `benchmarks/results/nanogpt_compare.md`). CPU only: nothing here is about GPUs.",
 ]
