@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_throughput.py                           # 12 layers, 12 heads, width 768, seq 1024, batch 16
     python benchmarks/gpu_throughput.py --batch-size 32 --steps 20
+    python benchmarks/gpu_throughput.py --model gpt2-medium --data nanoGPT/data/openwebtext   # on real tokens
     python benchmarks/gpu_throughput.py --tiny --steps 2 --out /tmp/gpu.md   # 2-layer width-64 model on CPU (a test)
 
 Precisions (each one its own jaxamp `TrainState.create` + `train_step`, jitted with the state donated, optax AdamW
@@ -16,7 +17,10 @@ with global-norm clipping, as a user writes it):
 
 For each: the step is lowered and compiled ahead of time (`jax.jit(step).lower(state, batch).compile()`, whose
 `memory_analysis()` gives the argument, output, temp and aliased bytes; the later jitted calls hit the same cache),
-then `--warmup` untimed steps and `--steps` timed steps, each followed by `block_until_ready`. Reported: median step
+then `--warmup` untimed steps and `--steps` timed steps, each followed by `block_until_ready`. `--model` picks the
+size from the experiment's presets (`jaxamp.presets`, default gpt2-124m). The batch is one fixed batch of random
+tokens; with `--data DIR` (nanoGPT's train.bin/val.bin) it is real tokens instead: the batches of steps 0, 1, ...
+of `jaxamp.data.batch_at(train.bin, seed=0)`, all put on the device before timing, with the vocabulary of the data. Reported: median step
 time, tokens/s, MFU = tokens/s * (6 N + 12 L H Q T) / peak (nanoGPT's estimate; N = parameters without the
 position embedding) against the device's dense peak for that precision, and `memory_stats()["peak_bytes_in_use"]`.
 
@@ -47,6 +51,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from jaxamp.presets import MODEL_PRESETS, PRESET_FIELDS  # noqa: E402  (imports jax, starts no backend)
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_throughput.md"
 TINY_OUT = REPO / "benchmarks" / "results" / "gpu_throughput_tiny.md"  # --tiny never overwrites the real results
@@ -64,7 +70,13 @@ PEAK_FLOPS = {
     "H100": {"fp8": 1979e12, "16bit": 989e12, "tf32": 494e12, "fp32": 67e12},
     "A100": {"16bit": 312e12, "tf32": 156e12, "fp32": 19.5e12},  # no FP8 units
 }
-FULL = dict(layers=12, heads=12, width=768, seq_len=1024, vocab=50304, batch_size=16)
+def preset_size(model: str, batch_size: int = 16) -> dict:
+    """Sizes of train_lm.py's --model preset (layers, heads, width, seq_len, vocab) and a batch size."""
+    preset = MODEL_PRESETS[model]
+    return {**{k: preset[k] for k in PRESET_FIELDS}, "vocab": preset["vocab_size"], "batch_size": batch_size}
+
+
+FULL = preset_size("gpt2-124m")  # 12 layers, 12 heads, width 768, seq 1024, vocab 50304, batch 16
 TINY = dict(layers=2, heads=4, width=64, seq_len=64, vocab=512, batch_size=4)
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -134,6 +146,18 @@ def build(name: str, size: dict):
     return step, state, batch, info
 
 
+def data_batches(size: dict, n: int) -> list:
+    """The training batches of steps 0 .. n-1 from `size["data"]`'s train.bin (seed 0), on the default device."""
+    import jax
+
+    from jaxamp.data import batch_at
+    from jaxamp.token_files import open_token_dir
+
+    d = open_token_dir(size["data"], vocab_size=size["vocab"], seq_len=size["seq_len"])
+    return [jax.device_put(batch_at(d.train, seed=0, step=i, batch_size=size["batch_size"], seq_len=size["seq_len"],
+                                    vocab_size=d.vocab_size)) for i in range(n)]
+
+
 def matmul_context(name: str):
     """`jax.default_matmul_precision` of precision `name` (a null context for the default precision)."""
     import jax
@@ -176,9 +200,10 @@ def run_precision(name: str, size: dict, warmup: int, steps: int) -> dict:
 
         compiles[0] = 0
         times, losses, skipped = [], [], 0
+        batches = data_batches(size, warmup + steps) if size.get("data") else [batch] * (warmup + steps)
         for i in range(warmup + steps):
             t = time.perf_counter()
-            state, metrics = step(state, batch)
+            state, metrics = step(state, batches[i])
             jax.block_until_ready((state, metrics))
             if i >= warmup:
                 times.append(time.perf_counter() - t)
@@ -235,13 +260,16 @@ def report(args, size: dict, results: dict, argv=None) -> str:
         f"- device: {device_kind} ({first.get('platform', 'n/a')}); jax {first.get('jax_version', 'n/a')}; "
         f"host {platform.platform()}, os.cpu_count()={os.cpu_count()}",
         f"- date: {date}",
-        f"- model: {size['layers']} layers, {size['heads']} heads, width {size['width']} (head dim {head_dim}), "
+        f"- model: {'--tiny' if args.tiny else args.model}: {size['layers']} layers, {size['heads']} heads, width "
+        f"{size['width']} (head dim {head_dim}), "
         f"seq {size['seq_len']}, vocab {size['vocab']}, batch {size['batch_size']} "
         f"({size['batch_size'] * size['seq_len']:,} tokens/step); "
         + (f"{first['n_params']:,} params ({first['n_params_no_pos']:,} without position embedding); "
            f"{first['flops_per_token'] / 1e6:,.1f} MFLOP/token (6N + 12LHQT)" if first else "no precision finished"),
         f"- protocol: per precision, AOT lower + compile, {args.warmup} warmup + {args.steps} timed steps, each "
-        f"`block_until_ready`; median step time; one fixed random-token batch already on device (no input pipeline); "
+        f"`block_until_ready`; median step time; "
+        + (f"real tokens of {size['data']}/train.bin, one batch per step, all on device before timing"
+           if size.get("data") else "one fixed random-token batch already on device") + " (no input pipeline); "
         f"{'each precision in its own subprocess' if args.isolate else 'all precisions in one process'}",
         "- MFU against the dense peak of the precision's matmul unit (H100/H200: 1979 TFLOP/s FP8, 989 16-bit, "
         "494 TF32, 67 float32; A100: 312 / 156 / 19.5); fp8 also against the 16-bit peak, in brackets; n/a on "
@@ -308,6 +336,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="timed steps per precision (default: 10, --tiny: 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps after compiling (default: 3, --tiny: 1)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: 16, --tiny: 4)")
+    p.add_argument("--model", choices=list(MODEL_PRESETS), default="gpt2-124m",
+                   help="size preset of train_lm.py's --model (default: gpt2-124m; --tiny overrides it)")
+    p.add_argument("--data", default=None, help="directory of nanoGPT's train.bin/val.bin: time real tokens (the "
+                   "vocabulary from its meta.pkl, else 50304)")
     p.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
                    help="which precisions to run (default: all five)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
@@ -324,13 +356,25 @@ def parse_args(argv=None):
     args.out = args.out if args.out is not None else str(TINY_OUT if args.tiny else DEFAULT_OUT)
     if args.steps < 1 or args.warmup < 0 or (args.batch_size is not None and args.batch_size < 1):
         p.error("--steps and --batch-size must be >= 1, --warmup >= 0")
+    if args.data is not None:
+        from jaxamp.data import DataError
+        from jaxamp.token_files import open_token_dir
+
+        try:  # checked now, not after a compile
+            opened = open_token_dir(args.data, vocab_size=None, seq_len=_size(args, data=False)["seq_len"])
+            args.data_vocab = opened.vocab_size
+        except DataError as err:
+            p.error(f"--data: {err}")
     return args
 
 
-def _size(args) -> dict:
-    size = dict(TINY if args.tiny else FULL)
+def _size(args, data: bool = True) -> dict:
+    """The model and batch sizes of `args`; with --data, its vocabulary and path too."""
+    size = dict(TINY) if args.tiny else preset_size(args.model)
     if args.batch_size is not None:
         size["batch_size"] = args.batch_size
+    if data and args.data is not None:
+        size.update(vocab=args.data_vocab, data=str(args.data))
     return size
 
 
