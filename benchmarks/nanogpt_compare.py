@@ -302,6 +302,46 @@ def check_equivalence(run, cfg: TrainConfig, steps: int) -> dict:
             "max_loss_diff": max(abs(a - b) for a, b in zip(jax_losses, torch_losses)), "max_param_diff": param_diff}
 
 
+def interleaved(windows: dict, *, rounds: int, steps: int, warmup: int, pause: float,
+                before=None) -> tuple[dict, dict]:
+    """Times several step functions in one process, round-robin, so drifts in the machine's load hit them alike.
+
+    Each `windows[name](idx)` runs the steps whose indices are in `idx` and returns once they are done (it blocks).
+    First every window runs step 0 alone (timed: the first call, compile included) and steps 1..warmup-1 untimed;
+    then `rounds` rounds time one window of `steps` steps per name, the first name rotating from round to round.
+
+    Args:
+      windows: name -> callable(range) running those steps.
+      rounds, steps, warmup: timed rounds, steps per timed window, untimed warm-up steps (the first call included).
+      pause: seconds idle before each timed window (worker threads of the previous one go quiet).
+      before: optional callable(name) run before each of that name's windows, outside the timing.
+
+    Returns:
+      `(first_call_s, per_round_s)`: seconds of each name's first call, and its seconds per timed window by round.
+    """
+    first = {}
+    for name, window in windows.items():
+        if before is not None:
+            before(name)
+        t0 = time.perf_counter()
+        window(range(0, 1))
+        first[name] = time.perf_counter() - t0
+        if warmup > 1:
+            window(range(1, warmup))
+    names = list(windows)
+    per_round = {name: [] for name in names}
+    for r in range(rounds):
+        idx = range(warmup + r * steps, warmup + (r + 1) * steps)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if before is not None:
+                before(name)
+            time.sleep(pause)  # let the other framework's worker threads go idle (OpenMP/Eigen spin-waits)
+            t0 = time.perf_counter()
+            windows[name](idx)
+            per_round[name].append(time.perf_counter() - t0)
+    return first, per_round
+
+
 def time_throughput(run, cfg: TrainConfig, args) -> dict:
     """Interleaved rounds of `args.steps` steps per framework on the same batches; tokens/s per window."""
     tokens = cfg.batch_size * cfg.seq_len
@@ -340,26 +380,13 @@ def time_throughput(run, cfg: TrainConfig, args) -> dict:
         for threads in args.threads:
             model, frameworks[f"torch@{threads}"] = make_torch_window()
 
-    first = {}
-    for name, window in frameworks.items():  # warm-up: jaxamp compiles here
+    def set_threads(name):
         if name.startswith("torch@"):
             torch.set_num_threads(int(name[6:]))
-        t0 = time.perf_counter()
-        window(range(0, 1))
-        first[name] = time.perf_counter() - t0
-        if args.warmup > 1:
-            window(range(1, args.warmup))
-    names = list(frameworks)
-    per_round = {name: [] for name in names}
-    for r in range(args.rounds):
-        idx = range(args.warmup + r * args.steps, args.warmup + (r + 1) * args.steps)
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            if name.startswith("torch@"):
-                torch.set_num_threads(int(name[6:]))
-            time.sleep(args.pause)  # let the other framework's worker threads go idle (OpenMP/Eigen spin-waits)
-            t0 = time.perf_counter()
-            frameworks[name](idx)
-            per_round[name].append(args.steps * tokens / (time.perf_counter() - t0))
+
+    first, seconds = interleaved(frameworks, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+                                 pause=args.pause, before=set_threads)
+    per_round = {name: [args.steps * tokens / s for s in v] for name, v in seconds.items()}
     result = {"tokens_per_step": tokens, "first_step_s": first, "per_round": per_round}
     if torch is not None:
         result["torch_params"] = sum(p.numel() for p in model.parameters())

@@ -250,3 +250,28 @@ def test_plot_ends_the_loss_scale_at_the_summarys_final_scale(tmp_path):
     (tmp_path / "run" / "summary.json").write_text(json.dumps({**summary, "steps": 30, "final_loss_scale": 2.0}))
     assert _final_scale(tmp_path / "run", records) is None  # a summary of another step: not plotted
     assert plot_runs([tmp_path / "run"], tmp_path / "p.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_cpu_step_tiny(tmp_path, text_corpus):
+    """benchmarks/cpu_step.py at a tiny size: every section, the same-math Flax model agreeing with jaxamp's."""
+    out = tmp_path / "cpu_step.md"
+    proc = run_script("benchmarks/cpu_step.py", "--data", str(text_corpus), "--layers", "1", "--heads", "2",
+                      "--width", "32", "--seq-len", "16", "--batch-size", "4", "--rounds", "2", "--steps", "1",
+                      "--warmup", "1", "--pause", "0", "--threads", "1", "--gelu-points", "2001", "--profile",
+                      "--profile-steps", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert text in proc.stdout and "jax " in text and "load average at the end" in text
+    rows = table_rows(text)
+    jaxamp, flax = rows["jaxamp `TransformerLM`"], rows["plain Flax, same math (two-pass LayerNorm, exact GELU)"]
+    assert number(jaxamp[0]) > 0 and number(jaxamp[2]) > 0 and number(flax[3]) == 1.0
+    assert number(flax[6]) < 1e-5 and number(flax[5]) < 1e-5  # the same function: gradients and loss agree
+    assert "Goal (issue 14)" in text
+    assert number(rows["jaxamp fp32"][0]) > 0
+    torch_rows = [k for k in rows if k.startswith("PyTorch")]
+    assert torch_rows and (number(rows[torch_rows[0]][0]) > 0 or "PyTorch not installed" in rows[torch_rows[0]][0])
+    exact = next(v for k, v in rows.items() if k.startswith("`nn.gelu(approximate=False)`"))
+    erf = next(v for k, v in rows.items() if k.startswith("0.5 x (1 + erf"))
+    assert [number(c) for c in exact[:3]] == [0, 0, 0] and number(erf[2]) > 1000  # erf form: wrong in the tail
+    shares = [number(v[1]) for k, v in rows.items() if k.startswith(("matmuls", "GELU", "attention core"))]
+    assert len(shares) == 3 and all(0 <= s <= 100 for s in shares)
