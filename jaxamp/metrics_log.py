@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -70,30 +71,89 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            # A suffix unique to this logger: tensorboardX names files by the second, and a second logger opened in
+            # A suffix unique to this logger: event files are named by the second, and a second logger opened in
             # the same second (an in-process resume) would truncate the first one's file. purge_step: TensorBoard
             # drops the points of earlier files from resume_step + 1 on (all of them when a run starts over).
-            self._tb = SummaryWriter(str(Path(workdir) / "tb"), purge_step=resume_step + 1,
-                                     filename_suffix=f".{os.getpid()}.{uuid.uuid4().hex[:8]}")
+            self._tb = _EventFile(Path(workdir) / "tb", purge_step=resume_step + 1,
+                                  suffix=f".{os.getpid()}.{uuid.uuid4().hex[:8]}")
 
     def write(self, records: list[dict]) -> None:
-        """Appends records (each with `step`) and flushes; adds `skipped_steps` (skipped so far) to each."""
-        for record in records:
-            self.skipped += not record["grads_finite"]
-            record["skipped_steps"] = self.skipped
-            self._file.write(json.dumps(record) + "\n")
+        """Appends records (each with `step`) and flushes; adds `skipped_steps` (skipped so far) to each.
+
+        Raises:
+          OSError: a file could not be written (e.g. the disk is full); both files are then closed.
+        """
+        try:
+            for record in records:
+                self.skipped += not record["grads_finite"]
+                record["skipped_steps"] = self.skipped
+                self._file.write(json.dumps(record) + "\n")
+                if self._tb is not None:
+                    for key in TB_SCALARS:
+                        if key in record:
+                            self._tb.scalar(f"train/{key}" if key != "val_loss" else "val/loss", float(record[key]),
+                                            record["step"])
+            self._file.flush()
             if self._tb is not None:
-                for key in TB_SCALARS:
-                    if key in record:
-                        self._tb.add_scalar(f"train/{key}" if key != "val_loss" else "val/loss",
-                                            float(record[key]), record["step"])
-        self._file.flush()
-        if self._tb is not None:
-            self._tb.flush()
+                self._tb.flush()
+        except OSError:
+            self._abandon()
+            raise
 
     def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        """Flushes and closes both files.
+
+        Raises:
+          OSError: the last data could not be written; both files are closed anyway.
+        """
+        try:
+            self._file.close()
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
+        except OSError:
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Closes both files after a write error, dropping what they still buffer (nothing is left to fail again,
+        with a traceback, when the interpreter exits)."""
+        for closable in (self._file, self._tb):
+            try:
+                if closable is not None:
+                    closable.close()
+            except (OSError, ValueError):  # ValueError: the event file's writer was already closed
+                pass
+        self._tb = None  # closed: a later close() has nothing left to do
+
+
+class _EventFile:
+    """One TensorBoard event file, written synchronously with tensorboardX's record writer and protos.
+
+    tensorboardX's `SummaryWriter` writes from a thread of its own and flushes again at exit: when the disk fills,
+    both print a traceback. Here a write error reaches the caller as an OSError, once. Scalars are written as
+    `simple_value`s, as `SummaryWriter.add_scalar` does (a NaN or inf among them is kept, without a warning).
+    """
+
+    def __init__(self, logdir: Path, *, purge_step: int, suffix: str):
+        from tensorboardX.event_file_writer import EventsWriter  # pylint: disable=import-outside-toplevel
+        from tensorboardX.proto.event_pb2 import Event, SessionLog  # pylint: disable=import-outside-toplevel
+
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._writer = EventsWriter(str(logdir / "events"), suffix)  # starts with the file_version event
+        # TensorBoard reads a SessionLog.START at step s as "drop the points of earlier files from step s on".
+        self._writer.write_event(Event(step=purge_step, file_version="brain.Event:2"))
+        self._writer.write_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboardX.proto.event_pb2 import Event  # pylint: disable=import-outside-toplevel
+        from tensorboardX.proto.summary_pb2 import Summary  # pylint: disable=import-outside-toplevel
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)])
+        self._writer.write_event(Event(wall_time=time.time(), step=step, summary=summary))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
