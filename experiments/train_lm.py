@@ -69,12 +69,12 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     from jaxamp.checkpoint import CheckpointError
     from jaxamp.data import DataError
-    from jaxamp.train import ConfigError, DivergenceError, train
+    from jaxamp.train import ConfigError, DivergenceError, WorkdirWriteError, train
 
     cfg = parse_args(argv)
     try:
         train(cfg)
-    except (ConfigError, DataError, CheckpointError) as err:
+    except (ConfigError, DataError, CheckpointError, WorkdirWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except DivergenceError as err:

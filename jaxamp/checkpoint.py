@@ -39,17 +39,28 @@ orbax pitfalls handled here (orbax-checkpoint 0.12.8):
 - `best_fn` with `max_to_keep` can delete the newest step; only `max_to_keep` is used.
 - A failed orbax read leaves suspended coroutines behind that print "Exception ignored in <coroutine ...>" when
   garbage-collected; `restore` collects them (and the partly read buffers) before trying the previous step.
-- orbax logs two absl warnings per read-only manager ("Given directory is read only"); they are harmless.
+- orbax logs two absl warnings per read-only manager ("Given directory is read only"); they are harmless and
+  dropped (see below).
+- When a save fails (e.g. the disk fills), orbax logs the error with a traceback from each of its threads, asyncio
+  reports its failed tasks, and tensorstore's callbacks print "RuntimeError: Event loop is closed" for every write
+  still pending (hundreds of lines for one failure). The first `Checkpointer` of a process installs a logging
+  filter (loggers `absl` and `asyncio`: orbax's error records only) and an unraisable-exception hook (that
+  RuntimeError only) that keep them off stderr: the failure reaches the caller once, as a `CheckpointSaveError`
+  naming the step and the operating-system error. `JAXAMP_ORBAX_LOGS=1` keeps them.
+- A save whose step folder is missing after orbax reports success raises `CheckpointSaveError` too.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno as errno_codes
 import gc
 import hashlib
 import json
+import logging
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -63,7 +74,7 @@ from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, Static
 from jaxamp.precision import policy_name
 from jaxamp.state import TrainState
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "Checkpointer"]
+__all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointSaveError", "Checkpointer"]
 
 _FORMAT = 1
 _ITEMS = ("state", "config", "integrity")
@@ -86,6 +97,19 @@ class CheckpointMismatchError(CheckpointError):
 
     The message names the field and both values. Raised at once: an older step is not tried instead.
     """
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed or did not commit; the steps already on disk are untouched.
+
+    Attributes:
+      step: the step whose save failed (None when unknown).
+      errno: the operating-system error behind it (e.g. `errno.ENOSPC`), or None.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, errno: int | None = None):
+        super().__init__(message)
+        self.step, self.errno = step, errno
 
 
 class _Unusable(Exception):
@@ -259,6 +283,102 @@ def _short(err: BaseException) -> str:
     return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
 
 
+_OS_ERROR_RE = re.compile(r"\[os_error_code='?(\d+)'?\]|\[Errno (\d+)\]")
+
+
+def _os_errno(err: BaseException) -> int | None:
+    """The operating-system error behind `err` (its own errno, one in its cause chain, or tensorstore's
+    `[os_error_code=N]` in a message), or None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno:
+            return err.errno
+        match = _OS_ERROR_RE.search(str(err))
+        if match:
+            return int(match.group(1) or match.group(2))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _save_reason(err: BaseException) -> tuple[str, int | None]:
+    """One line for a failed save: the OS error's text when there is one (e.g. "No space left on device", which
+    tensorstore's messages bury after two file paths), else `_short(err)`."""
+    code = _os_errno(err)
+    if code is None:
+        return _short(err), None
+    name = errno_codes.errorcode.get(code, str(code))
+    return f"{os.strerror(code)} ({name})", code
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# orbax's and tensorstore's reports of failures in their background threads.
+
+_VERBOSE_ENV = "JAXAMP_ORBAX_LOGS"  # "1": leave orbax's and tensorstore's failure reports on stderr
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (ocp, ts))
+
+
+def _mentions_library(record: logging.LogRecord) -> bool:
+    if record.pathname.startswith(_LIBRARY_DIRS) or any(d in record.getMessage() for d in _LIBRARY_DIRS):
+        return True
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _LibraryFailureFilter(logging.Filter):
+    """Drops error records that orbax logs from its threads when a save or read fails (each with a traceback, and
+    one per thread), and asyncio's "Task exception was never retrieved" reports of orbax's failed tasks. The
+    failure itself reaches the caller as a CheckpointError; these would only repeat it, hundreds of lines long.
+    Also drops the two warnings orbax logs for every read-only manager (one per restore), which say nothing."""
+
+    _HARMLESS = ("Given directory is read only", "CheckpointManagerOptions.read_only=True")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return not _mentions_library(record)
+        return not (record.pathname.startswith(_LIBRARY_DIRS) and str(record.msg).startswith(self._HARMLESS))
+
+
+_FAILURE_FILTER = _LibraryFailureFilter()
+
+
+def _closed_loop_wakeup(unraisable) -> bool:
+    """tensorstore's callbacks waking an asyncio loop that orbax already closed after a failure."""
+    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+        return False
+    tb = unraisable.exc_traceback
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _quiet_library_failures() -> None:
+    """Keeps orbax's and tensorstore's failure reports from background threads off stderr, for the process
+    (idempotent). Set JAXAMP_ORBAX_LOGS=1 to see them."""
+    if os.environ.get(_VERBOSE_ENV) == "1":
+        return
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if _FAILURE_FILTER not in logger.filters:
+            logger.addFilter(_FAILURE_FILTER)
+    if getattr(sys.unraisablehook, "_jaxamp_quiet", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _closed_loop_wakeup(unraisable):
+            previous(unraisable)
+
+    hook._jaxamp_quiet = True
+    sys.unraisablehook = hook
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -287,6 +407,8 @@ class Checkpointer:
         self._async = bool(async_save)
         self._checksums = bool(checksums)
         self._manager: ocp.CheckpointManager | None = None  # the writer, created at the first save
+        self._pending: int | None = None  # the step of a save started and not yet waited for
+        _quiet_library_failures()
         self._check_directory()
 
     @property
@@ -399,29 +521,55 @@ class Checkpointer:
             integrity=ocp.args.JsonSave(integrity),
         )
         try:
-            return bool(manager.save(label, args=args, force=force))
+            started = bool(manager.save(label, args=args, force=force))
         except Exception as err:  # noqa: BLE001 - orbax raises OSError, ValueError, RuntimeError, ...
-            raise CheckpointError(f"saving step {label} to {self._dir} failed: {_short(err)} (one Checkpointer, in "
-                                  "one process or one multi-process run, may write a directory)") from err
+            reason, code = _save_reason(err)
+            collision = code in (None, errno_codes.EEXIST, errno_codes.ENOENT)
+            raise CheckpointSaveError(
+                f"saving step {label} to {self._dir} failed: {reason}" + (
+                    " (one Checkpointer, in one process or one multi-process run, may write a directory)"
+                    if collision else ""), step=label, errno=code) from err
+        if started:
+            self._pending = label
+        return started
 
     def wait(self) -> None:
         """Blocks until pending saves are complete (written, committed and old steps deleted).
 
         Raises:
-          CheckpointError: a background save failed (the cause is chained).
+          CheckpointSaveError: a background save failed (the cause is chained; `errno` names an operating-system
+            error such as ENOSPC), or its step folder is missing afterwards. The failure is reported once: the
+            writer is dropped, so a later `wait` or `close` does not raise it again (a later `save` starts a new
+            one).
         """
         if self._manager is None:
             return
+        pending, self._pending = self._pending, None
+        step = "a step" if pending is None else f"step {pending}"
         try:
             self._manager.wait_until_finished()
         except Exception as err:  # noqa: BLE001 - orbax re-raises whatever the background thread raised
-            raise CheckpointError(f"saving to {self._dir} failed: {_short(err)}") from err
+            reason, code = _save_reason(err)
+            self._drop_writer()
+            raise CheckpointSaveError(f"saving {step} to {self._dir} failed: {reason}", step=pending,
+                                      errno=code) from err
+        if pending is not None and pending not in self.steps():
+            raise CheckpointSaveError(f"saving {step} to {self._dir} left no step folder {pending} (deleted "
+                                      "meanwhile, or orbax failed without raising)", step=pending)
+
+    def _drop_writer(self) -> None:
+        """Closes the writer after a failed save; orbax's close re-raises that failure, already reported."""
+        manager, self._manager = self._manager, None
+        try:
+            manager.close()
+        except Exception:  # noqa: BLE001 - pylint: disable=broad-except
+            pass
 
     def close(self) -> None:
         """Waits for pending saves, then releases orbax's resources. The object can still save afterwards.
 
         Raises:
-          CheckpointError: a background save failed.
+          CheckpointSaveError: a background save failed.
         """
         try:
             self.wait()

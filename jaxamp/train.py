@@ -7,6 +7,7 @@ Side effects (printing, files) live here and in the checkpoint code only. `train
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -22,7 +23,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from jaxamp.checkpoint import Checkpointer, loss_scale_from_record
+from jaxamp.checkpoint import Checkpointer, CheckpointSaveError, loss_scale_from_record
 from jaxamp.sharding import (abstract_state, check_distributed_args, distributed_args_from_env, format_mesh_spec,
                              gather_to_host, initialize_distributed, is_main_process, jit_eval_step, jit_train_step,
                              make_global_batch, make_mesh, parse_mesh_spec, shard_state)
@@ -679,7 +680,9 @@ def train(cfg: TrainConfig) -> dict:
     finishes the current step, saves, and returns (summary["stopped_by"] names the signal).
 
     Raises:
-      ConfigError: a bad option. DataError: a bad corpus. CheckpointError: an unusable or mismatched checkpoint.
+      ConfigError: a bad option. DataError: a bad corpus. CheckpointError: an unusable or mismatched checkpoint
+        (CheckpointSaveError: a save failed, e.g. the disk is full; the message says how to resume).
+      WorkdirWriteError: metrics, events or the summary could not be written (the message says how to resume).
     """
     _validate_scale_out(cfg)  # no JAX call (validate's --precision auto asks for the devices)
     try:  # before any other JAX call
@@ -692,28 +695,64 @@ def train(cfg: TrainConfig) -> dict:
     # finished run complete and exit 0.
     with lock, StopRequest() as stop:
         try:
-            state, switched_from = _resume(run, ckpt)
-            finished = _finished_summary(workdir, cfg, int(state.step))
-            if finished is not None:
-                return finished
-            _say(_header(run))
-            logger = MetricsLogger(workdir, resume_step=int(state.step)) if is_main_process() else _NullLogger()
-            state, stopped_by, wall_s = _train_loop(run, ckpt, logger, state, stop, switched_from)
-            logger.close()
-            ckpt.wait()
-        finally:
-            ckpt.close()
-        summary = _summary(run, state, read_metrics(workdir / "metrics.jsonl"), wall_s)
-        summary["stopped_by"] = stopped_by
-        if is_main_process():
-            (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if stopped_by:
-            _say(f"stopped by {stopped_by} after step {int(state.step)}; checkpoint saved; run the same command to "
-                 "resume")
-        elif cfg.sample_tokens > 0:
-            _say("sample:\n" + _sample(run, state))
-        _say(_summary_line(summary))
+            return _train_in_workdir(run, workdir, ckpt, stop)
+        except CheckpointSaveError as err:
+            raise CheckpointSaveError(f"{err}; {_resume_advice(err.errno, ckpt)}", step=err.step,
+                                      errno=err.errno) from err
+        except OSError as err:
+            if err.errno not in STORAGE_ERRNOS:
+                raise
+            name = f" ({Path(err.filename).name})" if err.filename else ""
+            raise WorkdirWriteError(f"cannot write in --workdir {workdir}{name}: {err.strerror} "
+                                    f"({errno.errorcode.get(err.errno, err.errno)}); "
+                                    f"{_resume_advice(err.errno, ckpt)}") from err
+
+
+def _train_in_workdir(run: Run, workdir: Path, ckpt: Checkpointer, stop: StopRequest) -> dict:
+    """Resumes (or starts), trains, saves and writes the summary; the workdir is locked and signals are held."""
+    cfg = run.cfg
+    try:
+        state, switched_from = _resume(run, ckpt)
+        finished = _finished_summary(workdir, cfg, int(state.step))
+        if finished is not None:
+            return finished
+        _say(_header(run))
+        logger = MetricsLogger(workdir, resume_step=int(state.step)) if is_main_process() else _NullLogger()
+        state, stopped_by, wall_s = _train_loop(run, ckpt, logger, state, stop, switched_from)
+        logger.close()
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    summary = _summary(run, state, read_metrics(workdir / "metrics.jsonl"), wall_s)
+    summary["stopped_by"] = stopped_by
+    if is_main_process():
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if stopped_by:
+        _say(f"stopped by {stopped_by} after step {int(state.step)}; checkpoint saved; run the same command to "
+             "resume")
+    elif cfg.sample_tokens > 0:
+        _say("sample:\n" + _sample(run, state))
+    _say(_summary_line(summary))
     return summary
+
+
+# Operating-system errors of a workdir that cannot take more writes: the run stops with one line saying what to do.
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+
+
+class WorkdirWriteError(RuntimeError):
+    """Writing a run's files (metrics, TensorBoard events, summary) failed: disk full, read-only, no permission."""
+
+
+def _resume_advice(code: int | None, ckpt: Checkpointer) -> str:
+    """What to do after a failed write: the fix for the OS error, and where the same command will resume."""
+    fix = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space (disk quota)",
+           errno.EFBIG: "raise the file-size limit (ulimit -f)", errno.EROFS: "make the workdir writable",
+           errno.EACCES: "make the workdir writable", errno.EPERM: "make the workdir writable"}.get(code,
+                                                                                                 "fix the cause")
+    steps = ckpt.steps()
+    where = f"resume from step {steps[-1]}" if steps else "start over (no checkpoint was committed)"
+    return f"{fix}, then run the same command to {where}"
 
 
 def _report_skips(bar, records: list[dict]) -> None:

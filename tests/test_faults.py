@@ -19,7 +19,7 @@ import optax
 import pytest
 
 from jaxamp import DynamicLossScale, TrainState, get_policy
-from jaxamp.checkpoint import Checkpointer
+from jaxamp.checkpoint import CheckpointSaveError, Checkpointer, _save_reason
 from jaxamp.metrics_log import MetricsLogger, read_metrics
 
 from conftest import number, table_rows
@@ -60,3 +60,56 @@ def test_event_files_take_non_finite_values_quietly_and_a_full_disk_raises_once(
     assert info.value.errno == errno.ENOSPC
     assert logger._file.closed  # nothing is left to fail again, with a traceback, when the interpreter exits
     logger.close()  # a no-op now
+
+
+# ---- a full disk: one line -------------------------------------------------------------------------------------
+
+
+def test_save_error_reason_is_the_os_error():
+    """Campaign input: the step-6 save on a full tmpfs; the one-line error cut tensorstore's message at 400
+    characters, before "No space left on device"."""
+    where = '"/w/checkpoints/6.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_0/'
+    err = ValueError(f'RESOURCE_EXHAUSTED: Error writing "opt_state.1.count/0" in OCDBT database at local file {where}'
+                     f'": Failed writing: {where}d/6487a22f7c27f6aba92efb0cfc2e4244": Failed to write 221450 bytes '
+                     "to file 13: No space left on device [os_error_code='28']")
+    assert _save_reason(err) == ("No space left on device (ENOSPC)", errno.ENOSPC)
+    assert _save_reason(OSError(errno.EROFS, "Read-only file system")) == ("Read-only file system (EROFS)",
+                                                                          errno.EROFS)
+    assert _save_reason(RuntimeError("orbax: something else")) == ("RuntimeError: orbax: something else", None)
+
+
+def test_a_save_that_cannot_be_written_ends_in_one_line(tmp_path):
+    """Campaign input: a save that runs out of room (a 3 MB filesystem in the issue; here a 64 kB file-size limit,
+    which needs no mount): 326 to 782 stderr lines and up to 80 tracebacks from orbax's and tensorstore's threads
+    before the error line. Now the error line alone, naming the step, the OS error and how to resume."""
+    corpus = _small_corpus(tmp_path / "corpus.txt")
+    workdir = tmp_path / "run"
+    limit = 64 * 1024  # below the step's array file (about 300 kB), above metrics.jsonl and the event file
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *_quick(corpus), "--layers", "1", "--steps", "8", "--checkpoint-every", "4",
+         "--workdir",
+         str(workdir)], cwd=REPO, capture_output=True, text=True, timeout=240,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr == (f"error: saving step 4 to {workdir / 'checkpoints'} failed: File too large (EFBIG); "
+                             "raise the file-size limit (ulimit -f), then run the same command to start over (no "
+                             "checkpoint was committed)\n")
+
+
+def test_a_failed_background_save_is_reported_once_and_saving_goes_on(tmp_path, monkeypatch):
+    """After a failed save the writer is dropped: close() does not raise the failure again, a later save works."""
+    state = _tiny_state()
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    assert ckpt.save(state, {})
+    ckpt.wait()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt._manager, "wait_until_finished", full)
+    with pytest.raises(CheckpointSaveError, match=r"saving a step to .* failed: No space left on device \(ENOSPC\)"):
+        ckpt.wait()
+    ckpt.close()
+    assert ckpt.save(state.replace(step=jnp.asarray(2, jnp.int32)), {})
+    ckpt.close()
+    assert ckpt.steps() == [1, 2]
