@@ -113,3 +113,25 @@ def test_a_failed_background_save_is_reported_once_and_saving_goes_on(tmp_path, 
     assert ckpt.save(state.replace(step=jnp.asarray(2, jnp.int32)), {})
     ckpt.close()
     assert ckpt.steps() == [1, 2]
+
+
+# ---- SIGINT while starting up ------------------------------------------------------------------------------------
+
+SIGINT_IN_BUILD = """
+import os, runpy, signal, sys, time
+import jaxamp.train as train_mod
+train_mod.build = lambda cfg: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30))
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_sigint_while_starting_up_exits_at_once_in_one_line(tmp_path):
+    """Campaign input: SIGINT 1.29 s after launch, inside the model build: a 99-line KeyboardInterrupt traceback
+    (and, elsewhere in the start-up, a segfault, or an interrupt swallowed by a gc callback with the run going on)."""
+    workdir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", SIGINT_IN_BUILD, str(SCRIPT), "--workdir", str(workdir)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert result.stderr == train_lm.INTERRUPTED.decode()
+    assert not workdir.exists()
