@@ -1,13 +1,15 @@
 """Checkpoints of a `TrainState` with integrity checks, on orbax-checkpoint's `CheckpointManager`.
 
 Layout. One folder per step under `directory`, named by the step number (orbax's default names). Each step holds
-three orbax items, written together by one `CheckpointManager.save`:
+three orbax items, and a fourth when `save` gets `metrics`, written together by one `CheckpointManager.save`:
 
 - `state`: the whole `TrainState` (params, opt_state, loss-scale leaves, step, rng), `ocp.args.StandardSave`;
 - `config`: the run's settings, a JSON dict (`ocp.args.JsonSave`);
 - `integrity`: a JSON record written by this module: per array leaf (keyed by `jax.tree_util.keystr` of its path)
   the sha256 of its bytes, its dtype and shape; the loss scale's type and static hyperparameters
-  (`DynamicLossScale.config()`); the policy name; the pytree structure string; a sha256 of the config JSON.
+  (`DynamicLossScale.config()`); the policy name; the pytree structure string; a sha256 of the config JSON (and
+  of the metrics list, when there is one);
+- `metrics` (optional): a JSON list, e.g. the training log's records up to this step (`Checkpointer.metrics(step)`).
 
 Integrity design. orbax has no checksums: a flipped bit in a data file restores silently with wrong values (a
 flip inside a compressed chunk may also surface as a decode error). So `restore` recomputes the sha256 of every
@@ -77,7 +79,7 @@ from jaxamp.state import TrainState
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointSaveError", "Checkpointer"]
 
 _FORMAT = 1
-_ITEMS = ("state", "config", "integrity")
+_ITEMS = ("state", "config", "integrity", "metrics")
 _STEP_RE = re.compile(r"^\d+$")
 _TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp.*$")
 _ORBAX_ROOT_ENTRIES = frozenset({"metadata"})  # orbax's root metadata folder (written only with custom metadata)
@@ -221,7 +223,7 @@ def _config_digest(config) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
-def _integrity_record(state: TrainState, config: dict, checksums: bool) -> dict:
+def _integrity_record(state: TrainState, config: dict, checksums: bool, metrics: list | None = None) -> dict:
     """Builds the JSON integrity record of `state` (see the module docstring). Copies every leaf to the host."""
     flat, _ = jax.tree_util.tree_flatten_with_path(state)
     leaves: dict[str, dict] = {}
@@ -258,6 +260,7 @@ def _integrity_record(state: TrainState, config: dict, checksums: bool) -> dict:
         "policy": policy_name(state.policy),
         "structure": _structure_string(state),
         "config_sha256": _config_digest(config),
+        **({} if metrics is None else {"metrics_sha256": _config_digest(metrics)}),
     }
 
 
@@ -471,8 +474,8 @@ class Checkpointer:
             self._manager = ocp.CheckpointManager(self._dir, options=options, item_names=_ITEMS)
         return self._manager
 
-    def save(self, state: TrainState, config: dict, *, force: bool = False) -> bool:
-        """Starts saving `state` and `config` as step `int(state.step)`.
+    def save(self, state: TrainState, config: dict, *, force: bool = False, metrics: list | None = None) -> bool:
+        """Starts saving `state` and `config` (and `metrics`) as step `int(state.step)`.
 
         The arrays are copied to the host and hashed before this returns (that part is synchronous, and its cost
         grows with the state's size); writing happens in the background when `async_save`. A previous pending
@@ -482,6 +485,8 @@ class Checkpointer:
           state: the `TrainState` to save.
           config: the run's settings, a JSON-serializable dict (restored with the state; `restore` compares keys).
           force: passed to orbax: save even if its save-interval policy would skip this step.
+          metrics: optional JSON-serializable list, e.g. the run's log records up to this step, saved as a fourth
+            item with its sha256 in the integrity record (read back, verified, with `metrics(step)`).
 
         Returns:
           True if a save started; False if this step is already on disk (it is never overwritten).
@@ -490,7 +495,7 @@ class Checkpointer:
         workdir) collide in orbax's temporary folders.
 
         Raises:
-          ValueError: `config` is not a JSON-serializable dict.
+          ValueError: `config` is not a JSON-serializable dict, or `metrics` not a JSON-serializable list.
           CheckpointError: the directory holds non-checkpoint entries, or a step folder newer than this step
             (orbax would silently refuse every save; remove the newer folders or use another directory); a previous
             background save failed; orbax failed to start this save (the cause is chained).
@@ -501,6 +506,13 @@ class Checkpointer:
             json.dumps(config)
         except (TypeError, ValueError) as err:
             raise ValueError(f"config must be JSON-serializable: {err}") from None
+        if metrics is not None:
+            try:
+                if not isinstance(metrics, list):
+                    raise TypeError(f"got {type(metrics).__name__}")
+                json.dumps(metrics)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"metrics must be a JSON-serializable list: {err}") from None
         label = int(jax.device_get(state.step))
         self._check_directory()
         manager = self._writer()
@@ -514,12 +526,12 @@ class Checkpointer:
                 f"cannot save step {label} in {self._dir}: it holds newer step folders {newer} (orbax saves only "
                 f"steps newer than the newest folder); remove them or use another directory")
         manager.reload()  # orbax caches its step list; steps removed by hand must not block this save
-        integrity = _integrity_record(state, config, self._checksums)
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            config=ocp.args.JsonSave(config),
-            integrity=ocp.args.JsonSave(integrity),
-        )
+        integrity = _integrity_record(state, config, self._checksums, metrics)
+        items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config),
+                 "integrity": ocp.args.JsonSave(integrity)}
+        if metrics is not None:
+            items["metrics"] = ocp.args.JsonSave(metrics)
+        args = ocp.args.Composite(**items)
         try:
             started = bool(manager.save(label, args=args, force=force))
         except Exception as err:  # noqa: BLE001 - orbax raises OSError, ValueError, RuntimeError, ...
@@ -702,7 +714,7 @@ class Checkpointer:
         # One fresh read-only manager per attempt: after a failed restore orbax's manager refuses good steps too.
         manager = self._reader()
         try:
-            # 1. The JSON items only: config and integrity record.
+            # 1. The JSON items only: config, integrity record (and the metrics copy when the record lists one).
             config, record = self._read_meta(manager, n)
             # 2. Settings and structure: a mismatch means the user changed settings, so it is raised, not skipped.
             self._check_match(n, config, record, target, expected_config, match_keys)
@@ -719,8 +731,10 @@ class Checkpointer:
         return state, config
 
     @staticmethod
-    def _read_meta(manager, n: int) -> tuple[dict, dict]:
-        """Step `n`'s config and integrity record (no array is read); raises `_Unusable`."""
+    def _read_meta(manager, n: int, *, with_metrics: bool = True) -> tuple[dict, dict]:
+        """Step `n`'s config and integrity record, both verified (no array is read); with `with_metrics`, the
+        metrics copy too, when the record lists one (a damaged copy makes the step unusable, as any other damaged
+        file does). Raises `_Unusable`."""
         try:
             meta = manager.restore(n, args=ocp.args.Composite(
                 config=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore()))
@@ -731,6 +745,8 @@ class Checkpointer:
             raise _Unusable("config or integrity record is missing or not in the expected format")
         if record.get("config_sha256") != _config_digest(config):
             raise _Unusable("config JSON does not match its sha256")
+        if with_metrics and "metrics_sha256" in record:
+            Checkpointer._read_metrics_item(manager, n, record)
         return config, record
 
     def read_settings(self, step: int | None = None) -> tuple[dict, dict] | None:
@@ -743,9 +759,36 @@ class Checkpointer:
         self.wait()
         manager = self._reader()
         try:
-            return self._read_meta(manager, step)
+            return self._read_meta(manager, step, with_metrics=False)
         except _Unusable:
             return None
+        finally:
+            manager.close()
+
+    @staticmethod
+    def _read_metrics_item(manager, n: int, record: dict) -> list:
+        try:
+            metrics = manager.restore(n, args=ocp.args.Composite(metrics=ocp.args.JsonRestore())).metrics
+        except Exception as err:  # noqa: BLE001
+            raise _Unusable(f"cannot read its metrics copy: {_short(err)}") from None
+        if not isinstance(metrics, list) or _config_digest(metrics) != record["metrics_sha256"]:
+            raise _Unusable("metrics copy does not match its sha256")
+        return metrics
+
+    def metrics(self, step: int) -> list | None:
+        """The `metrics` list saved with step `step` (verified against its sha256), or None when it holds none.
+
+        Raises:
+          CheckpointError: the step is not on disk, or its record or metrics copy is unreadable or damaged.
+        """
+        if int(step) not in self.steps():
+            raise CheckpointError(f"no checkpoint step {step} in {self._dir}; steps on disk: {self.steps()}")
+        manager = self._reader()
+        try:
+            _, record = self._read_meta(manager, int(step), with_metrics=False)
+            return self._read_metrics_item(manager, int(step), record) if "metrics_sha256" in record else None
+        except _Unusable as err:
+            raise CheckpointError(f"checkpoint step {step} in {self._dir} is unusable ({err})") from None
         finally:
             manager.close()
 

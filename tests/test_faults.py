@@ -135,3 +135,77 @@ def test_sigint_while_starting_up_exits_at_once_in_one_line(tmp_path):
     assert result.returncode == 130, result.stderr[-3000:]
     assert result.stderr == train_lm.INTERRUPTED.decode()
     assert not workdir.exists()
+
+
+# ---- damaged metrics.jsonl and summary.json: rewritten from the checkpoint -------------------------------------
+
+
+def _flip(path: Path, offset: int, mask: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_metrics_and_summary_are_rewritten_from_the_checkpoint(tmp_path, capsys):
+    """Campaign inputs: metrics.jsonl with one byte XORed 0x58 (a line no longer JSON) after a killed run, and with
+    byte 4093 XOR 0x9d (not UTF-8) after a finished one: refused as "not a jaxamp metrics file; pass a new
+    --workdir"; summary.json with one digit changed (still JSON): kept as it was."""
+    corpus = _small_corpus(tmp_path / "corpus.txt")
+    args = [*_quick(corpus), "--layers", "1", "--decay-steps", "12", "--checkpoint-every", "4", "--log-every", "2"]
+    run = tmp_path / "run"
+    assert train_lm.main([*args, "--steps", "8", "--workdir", str(run)]) == 0
+    good = (run / "metrics.jsonl").read_bytes()
+    offset = good.index(b"\n", len(good) // 2) - 5  # the '"' closing "skipped_steps" of a record of step <= 8
+    _flip(run / "metrics.jsonl", offset, 0x58)
+    capsys.readouterr()
+    assert train_lm.main([*args, "--steps", "12", "--workdir", str(run)]) == 0  # resumes from step 8
+    line = good[:offset].count(b"\n") + 1
+    assert (f"metrics.jsonl differed from the copy saved with checkpoint step 8 from line {line} on; rewritten"
+            in capsys.readouterr().out)
+    finished = (run / "metrics.jsonl").read_bytes()
+    assert finished.startswith(good) and [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(
+        range(1, 13))
+    # The finished run: metrics.jsonl not UTF-8 any more, and a digit of summary.json's train_loss changed.
+    summary = json.loads((run / "summary.json").read_text())
+    _flip(run / "metrics.jsonl", len(finished) // 3, 0x9D)
+    text = (run / "summary.json").read_bytes()
+    _flip(run / "summary.json", text.index(b'"train_loss": ') + 16, 0x01)  # a digit stays a digit
+    assert json.loads((run / "summary.json").read_text())["train_loss"] != summary["train_loss"]
+    assert train_lm.main([*args, "--steps", "12", "--workdir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "metrics.jsonl differed from the copy saved with checkpoint step 12" in out
+    assert "summary.json was damaged (it does not match its sha256); rewritten" in out and "nothing to train" in out
+    assert (run / "metrics.jsonl").read_bytes() == finished
+    timing = ("wall_s", "sha256")
+    repaired = json.loads((run / "summary.json").read_text())
+    assert {k: v for k, v in repaired.items() if k not in timing} == {
+        k: v for k, v in summary.items() if k not in timing}
+
+
+# ---- a damaged integrity record or metrics copy: the step is unusable, not a settings mismatch -----------------
+
+
+@pytest.mark.parametrize("damage", ["the metrics copy"])
+def test_a_damaged_record_or_metrics_copy_makes_the_step_unusable(tmp_path, damage):
+    """A byte of step 2's integrity record turned "float32" into "float33" (still JSON): reported as a settings
+    mismatch (exit 2, "was saved with ... as float33[2, 3]") instead of falling back to step 1."""
+    with_copy = damage == "the metrics copy"
+    with Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            metrics = [_record(s) for s in range(1, step + 1)] if with_copy else None
+            assert ckpt.save(_tiny_state(step), {"n": step}, metrics=metrics)
+    item = tmp_path / "2" / ("integrity" if damage.startswith("a dtype") else "metrics")
+    (victim,) = [p for p in item.iterdir() if p.name != "commit_success.txt"]  # orbax's JSON file of the item
+    text = victim.read_text()
+    victim.write_text(text.replace('"float32"', '"float33"', 1) if damage.startswith("a dtype")
+                      else text.replace('"step": 2', '"step": 3', 1))
+    abstract = jax.eval_shape(lambda: _tiny_state())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Checkpointer(tmp_path) as ckpt:
+            state, config = ckpt.restore(abstract)
+            assert int(state.step) == 1 and config == {"n": 1}
+            assert ckpt.metrics(1) == ([_record(1)] if with_copy else None)
+    reason = "integrity record does not match its sha256" if damage.startswith("a dtype") else (
+        "metrics copy does not match its sha256")
+    assert any(f"step 2 in {tmp_path} is unusable ({reason})" in str(w.message) for w in caught), caught
