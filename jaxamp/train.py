@@ -856,6 +856,8 @@ def _train_loop(run: Run, ckpt: Checkpointer, logger: MetricsLogger, state: Trai
                             tok_s=f"{new[-1]['tokens_per_s']:.0f}")
         if at_save:
             loop.save(state, force=True)
+    if loop.pending:  # a signal that came after this step's flush check: its records are written before the save
+        bar.update(len(loop.flush(state, done, evaluate_now=False)))
     if stop.signal is not None and done < cfg.steps:  # a signal during the last step leaves a finished run
         stopped_by = signal.Signals(stop.signal).name
         loop.save(state, force=True)  # the step it stopped at (step 0 if before the first); a no-op if just saved

@@ -209,3 +209,52 @@ def test_a_damaged_record_or_metrics_copy_makes_the_step_unusable(tmp_path, dama
     reason = "integrity record does not match its sha256" if damage.startswith("a dtype") else (
         "metrics copy does not match its sha256")
     assert any(f"step 2 in {tmp_path} is unusable ({reason})" in str(w.message) for w in caught), caught
+
+
+# ---- a signal after the flush check --------------------------------------------------------------------------
+
+
+def test_a_signal_after_the_flush_check_loses_no_record(tmp_path, monkeypatch):
+    """A SIGTERM that lands after a step's flush check (between steps that do not fetch metrics) ended the loop with
+    the records since the last fetch never written, and saved the step after them: lost for good."""
+    import jaxamp.train as train_mod
+
+    class LateSignal(train_mod.StopRequest):
+        """Reports SIGTERM from the loop's second look after step 3: after its flush check, before the next step."""
+
+        looks_after_step_3 = 0
+
+        @property
+        def signal(self):
+            if self.looks_after_step_3:
+                self.looks_after_step_3 += 1
+                return signal.SIGTERM if self.looks_after_step_3 > 2 else None
+            return self._signal
+
+        @signal.setter
+        def signal(self, value):
+            self._signal = value
+
+    late = {}
+    original_step = train_mod._Loop.step
+
+    def step(self, state, index):
+        state = original_step(self, state, index)
+        if index == 2:  # step 3 dispatched
+            late["stop"].looks_after_step_3 = 1
+        return state
+
+    def stop_request():
+        late["stop"] = LateSignal()
+        return late["stop"]
+
+    monkeypatch.setattr(train_mod, "StopRequest", stop_request)
+    monkeypatch.setattr(train_mod._Loop, "step", step)
+    corpus = _small_corpus(tmp_path / "corpus.txt")
+    workdir = tmp_path / "run"
+    args = [*_quick(corpus), "--layers", "1", "--steps", "8", "--log-every", "4", "--workdir", str(workdir)]
+    assert train_lm.main(args) == 0
+    assert json.loads((workdir / "summary.json").read_text())["stopped_by"] == "SIGTERM"
+    assert [r["step"] for r in read_metrics(workdir / "metrics.jsonl")] == [1, 2, 3]
+    with Checkpointer(workdir / "checkpoints") as ckpt:
+        assert ckpt.steps() == [3] and [r["step"] for r in ckpt.metrics(3)] == [1, 2, 3]
