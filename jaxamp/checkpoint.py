@@ -8,7 +8,8 @@ three orbax items, and a fourth when `save` gets `metrics`, written together by 
 - `integrity`: a JSON record written by this module: per array leaf (keyed by `jax.tree_util.keystr` of its path)
   the sha256 of its bytes, its dtype and shape; the loss scale's type and static hyperparameters
   (`DynamicLossScale.config()`); the policy name; the pytree structure string; a sha256 of the config JSON (and
-  of the metrics list, when there is one);
+  of the metrics list); `record_sha256`, the digest of the record itself, so a damaged record makes the step
+  unusable instead of reading as a settings mismatch (format 2; format-1 records, without it, are still read);
 - `metrics` (optional): a JSON list, e.g. the training log's records up to this step (`Checkpointer.metrics(step)`).
 
 Integrity design. orbax has no checksums: a flipped bit in a data file restores silently with wrong values (a
@@ -78,7 +79,8 @@ from jaxamp.state import TrainState
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointSaveError", "Checkpointer"]
 
-_FORMAT = 1
+_FORMAT = 2  # 2 adds record_sha256, the record's own digest; format-1 records are still read
+_READABLE_FORMATS = (1, 2)
 _ITEMS = ("state", "config", "integrity", "metrics")
 _STEP_RE = re.compile(r"^\d+$")
 _TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp.*$")
@@ -262,6 +264,19 @@ def _integrity_record(state: TrainState, config: dict, checksums: bool, metrics:
         "config_sha256": _config_digest(config),
         **({} if metrics is None else {"metrics_sha256": _config_digest(metrics)}),
     }
+
+
+def _sealed(record: dict) -> dict:
+    """The record with `record_sha256`, the digest of everything else in it: a damaged record reads as unusable,
+    never as a settings mismatch."""
+    return {**record, "record_sha256": _config_digest(record)}
+
+
+def _seal_intact(record: dict) -> bool:
+    if record.get("format") == 1:
+        return True  # written before records were sealed
+    rest = {k: v for k, v in record.items() if k != "record_sha256"}
+    return record.get("record_sha256") == _config_digest(rest)
 
 
 def _json_normal(value):
@@ -526,7 +541,7 @@ class Checkpointer:
                 f"cannot save step {label} in {self._dir}: it holds newer step folders {newer} (orbax saves only "
                 f"steps newer than the newest folder); remove them or use another directory")
         manager.reload()  # orbax caches its step list; steps removed by hand must not block this save
-        integrity = _integrity_record(state, config, self._checksums, metrics)
+        integrity = _sealed(_integrity_record(state, config, self._checksums, metrics))
         items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config),
                  "integrity": ocp.args.JsonSave(integrity)}
         if metrics is not None:
@@ -741,8 +756,11 @@ class Checkpointer:
             config, record = meta.config, meta.integrity
         except Exception as err:  # noqa: BLE001 - orbax raises anything from KeyError to bare Exception
             raise _Unusable(f"cannot read its config/integrity record: {_short(err)}") from None
-        if not isinstance(config, dict) or not isinstance(record, dict) or record.get("format") != _FORMAT:
+        if (not isinstance(config, dict) or not isinstance(record, dict)
+                or record.get("format") not in _READABLE_FORMATS):
             raise _Unusable("config or integrity record is missing or not in the expected format")
+        if not _seal_intact(record):
+            raise _Unusable("integrity record does not match its sha256")
         if record.get("config_sha256") != _config_digest(config):
             raise _Unusable("config JSON does not match its sha256")
         if with_metrics and "metrics_sha256" in record:

@@ -185,7 +185,7 @@ def test_damaged_metrics_and_summary_are_rewritten_from_the_checkpoint(tmp_path,
 # ---- a damaged integrity record or metrics copy: the step is unusable, not a settings mismatch -----------------
 
 
-@pytest.mark.parametrize("damage", ["the metrics copy"])
+@pytest.mark.parametrize("damage", ["a dtype in the integrity record", "the metrics copy"])
 def test_a_damaged_record_or_metrics_copy_makes_the_step_unusable(tmp_path, damage):
     """A byte of step 2's integrity record turned "float32" into "float33" (still JSON): reported as a settings
     mismatch (exit 2, "was saved with ... as float33[2, 3]") instead of falling back to step 1."""
