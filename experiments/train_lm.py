@@ -35,6 +35,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -94,11 +95,19 @@ def main(argv=None) -> int:
     training diverged; 130, at once, for SIGINT outside the training loop)."""
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, _exit_on_sigint) if main_thread else None
+    previous_format, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         return _run(argv)
     finally:
+        warnings.formatwarning = previous_format
         if main_thread:
             signal.signal(signal.SIGINT, previous)
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings (e.g. a damaged checkpoint step set aside) as one line each, without the source line Python adds."""
+    del category, filename, lineno, line
+    return f"warning: {message}\n"
 
 
 def _run(argv) -> int:

@@ -42,8 +42,9 @@ orbax pitfalls handled here (orbax-checkpoint 0.12.8):
 - `best_fn` with `max_to_keep` can delete the newest step; only `max_to_keep` is used.
 - A failed orbax read leaves suspended coroutines behind that print "Exception ignored in <coroutine ...>" when
   garbage-collected; `restore` collects them (and the partly read buffers) before trying the previous step.
-- orbax logs two absl warnings per read-only manager ("Given directory is read only"); they are harmless and
-  dropped (see below).
+- orbax logs two absl warnings per read-only manager ("Given directory is read only"), and one per step folder
+  without its metadata file (an old step whose deletion a kill cut short); they are harmless and dropped (see
+  below).
 - When a save fails (e.g. the disk fills), orbax logs the error with a traceback from each of its threads, asyncio
   reports its failed tasks, and tensorstore's callbacks print "RuntimeError: Event loop is closed" for every write
   still pending (hundreds of lines for one failure). The first `Checkpointer` of a process installs a logging
@@ -351,9 +352,12 @@ class _LibraryFailureFilter(logging.Filter):
     """Drops error records that orbax logs from its threads when a save or read fails (each with a traceback, and
     one per thread), and asyncio's "Task exception was never retrieved" reports of orbax's failed tasks. The
     failure itself reaches the caller as a CheckpointError; these would only repeat it, hundreds of lines long.
-    Also drops the two warnings orbax logs for every read-only manager (one per restore), which say nothing."""
+    Also drops the two warnings orbax logs for every read-only manager (one per restore), which say nothing, and
+    the one it logs, per manager, for each step folder without its metadata file (an old step whose deletion was
+    cut short: restores never reach it; a damaged newest step is reported by `restore` itself)."""
 
-    _HARMLESS = ("Given directory is read only", "CheckpointManagerOptions.read_only=True")
+    _HARMLESS = ("Given directory is read only", "CheckpointManagerOptions.read_only=True",
+                 "Metadata file does not exist")
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR:

@@ -115,6 +115,23 @@ def test_a_failed_background_save_is_reported_once_and_saving_goes_on(tmp_path, 
     assert ckpt.steps() == [1, 2]
 
 
+def test_a_half_deleted_old_step_and_a_fallback_warn_in_one_line_each(tmp_path, caplog):
+    """Campaign input: SIGKILL during orbax's deletion of an old step (71% of its files gone): every later resume
+    printed orbax's 'Metadata file does not exist' warning 5 times, though that step is never read."""
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        for step in (1, 2):
+            assert ckpt.save(_tiny_state(step), {"n": step})
+    (tmp_path / "1" / "_CHECKPOINT_METADATA").unlink()
+    with caplog.at_level(logging.WARNING):
+        with Checkpointer(tmp_path) as ckpt:
+            state, _ = ckpt.restore(jax.eval_shape(lambda: _tiny_state()))
+    assert int(state.step) == 2
+    assert not [r.getMessage() for r in caplog.records if r.name == "absl"]
+    message = warnings.WarningMessage("checkpoint step 4 is unusable (...)", UserWarning, "x.py", 1)
+    assert train_lm._one_line_warning(message.message, message.category, "x.py", 1) == (
+        "warning: checkpoint step 4 is unusable (...)\n")
+
+
 # ---- SIGINT while starting up ------------------------------------------------------------------------------------
 
 SIGINT_IN_BUILD = """

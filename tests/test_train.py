@@ -269,6 +269,8 @@ def test_a_damaged_newest_checkpoint_falls_back_quietly(tmp_path):
     assert second.returncode == 0, second.stderr
     assert "resumed from step 2" in second.stdout and "checkpoint step 4" in second.stderr
     assert "Event loop is closed" not in second.stderr and "Traceback" not in second.stderr, second.stderr[:3000]
+    lines = second.stderr.splitlines()  # one line per warning: step 4 unusable, then moved aside
+    assert len(lines) == 2 and all(line.startswith("warning: ") for line in lines), lines
 
 
 def test_a_busy_or_unwritable_workdir_is_refused_untouched(tmp_path, capsys):
