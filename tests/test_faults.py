@@ -275,3 +275,30 @@ def test_a_signal_after_the_flush_check_loses_no_record(tmp_path, monkeypatch):
     assert [r["step"] for r in read_metrics(workdir / "metrics.jsonl")] == [1, 2, 3]
     with Checkpointer(workdir / "checkpoints") as ckpt:
         assert ckpt.steps() == [3] and [r["step"] for r in ckpt.metrics(3)] == [1, 2, 3]
+
+
+# ---- the campaign ----------------------------------------------------------------------------------------------
+
+
+def test_fault_campaign_five_trials(tmp_path):
+    """`--trials 5` on a tiny run, one trial of five kinds; every trial meets every goal (a kind that needs a tmpfs
+    is skipped, with its reason, where mount is not allowed)."""
+    out = tmp_path / "faults.md"
+    kinds = "sigkill-commit,sigint,disk-full,corrupt-metrics,corrupt-summary"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/fault_campaign.py", "--trials", "5", "--seed", "3", "--kinds", kinds, "--steps",
+         "8", "--checkpoint-every", "2", "--layers", "1", "--width", "32", "--out", str(out), "--tmp-dir",
+         str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = out.read_text()
+    assert text in result.stdout
+    rows = table_rows(text)
+    assert set(kinds.split(",")) <= set(rows)
+    ran = [kind for kind in kinds.split(",") if not rows[kind][1].startswith("skipped")]
+    assert len(ran) >= 4, rows
+    for kind in ran:
+        trials, bitwise, lost, duplicated, stopping, max_lines, tracebacks, goals = map(number, rows[kind])
+        assert trials == 1 and bitwise == 1 and goals == 1, (kind, rows[kind], text)
+        assert lost == duplicated == tracebacks == 0 and max_lines <= 3, (kind, rows[kind])
+    assert "**FAILED**" not in text
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("jaxamp-faults-")]  # deleted when all pass
