@@ -42,15 +42,17 @@ orbax pitfalls handled here (orbax-checkpoint 0.12.8):
 - `best_fn` with `max_to_keep` can delete the newest step; only `max_to_keep` is used.
 - A failed orbax read leaves suspended coroutines behind that print "Exception ignored in <coroutine ...>" when
   garbage-collected; `restore` collects them (and the partly read buffers) before trying the previous step.
-- orbax logs two absl warnings per read-only manager ("Given directory is read only"), and one per step folder
-  without its metadata file (an old step whose deletion a kill cut short); they are harmless and dropped (see
-  below).
+- orbax logs two absl warnings per read-only manager ("Given directory is read only"), one per step folder
+  without its metadata file (an old step whose deletion a kill cut short), and one per save that waited over a
+  second for the previous one; they are dropped (see below), and `save` warns once about slow saves instead.
 - When a save fails (e.g. the disk fills), orbax logs the error with a traceback from each of its threads, asyncio
   reports its failed tasks, and tensorstore's callbacks print "RuntimeError: Event loop is closed" for every write
-  still pending (hundreds of lines for one failure). The first `Checkpointer` of a process installs a logging
-  filter (loggers `absl` and `asyncio`: orbax's error records only) and an unraisable-exception hook (that
-  RuntimeError only) that keep them off stderr: the failure reaches the caller once, as a `CheckpointSaveError`
-  naming the step and the operating-system error. `JAXAMP_ORBAX_LOGS=1` keeps them.
+  still pending (hundreds of lines for one failure); a failed read leaves a suspended coroutine per array that
+  prints its traceback when collected. The first `Checkpointer` of a process installs a logging filter (loggers
+  `absl` and `asyncio`: orbax's error records only) and an unraisable-exception hook (that RuntimeError and
+  orbax's coroutines only) that keep them off stderr: the failure reaches the caller once, a failed save as a
+  `CheckpointSaveError` naming the step and the operating-system error, a failed read as `restore`'s warning or
+  error. `JAXAMP_ORBAX_LOGS=1` keeps them.
 - A save whose step folder is missing after orbax reports success raises `CheckpointSaveError` too.
 """
 
@@ -65,6 +67,7 @@ import logging
 import os
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -88,6 +91,7 @@ _TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp.*$")
 _ORBAX_ROOT_ENTRIES = frozenset({"metadata"})  # orbax's root metadata folder (written only with custom metadata)
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
 _MAX_REASON = 400
+_clock = time.monotonic  # how long a save waited for the previous one (a test replaces it)
 
 
 class CheckpointError(Exception):
@@ -354,10 +358,11 @@ class _LibraryFailureFilter(logging.Filter):
     failure itself reaches the caller as a CheckpointError; these would only repeat it, hundreds of lines long.
     Also drops the two warnings orbax logs for every read-only manager (one per restore), which say nothing, and
     the one it logs, per manager, for each step folder without its metadata file (an old step whose deletion was
-    cut short: restores never reach it; a damaged newest step is reported by `restore` itself)."""
+    cut short: restores never reach it; a damaged newest step is reported by `restore` itself), and its note, at
+    every save, that waiting for the previous one took over a second (`save` says so once)."""
 
     _HARMLESS = ("Given directory is read only", "CheckpointManagerOptions.read_only=True",
-                 "Metadata file does not exist")
+                 "Metadata file does not exist", "Waiting for previous save to complete took")
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR:
@@ -380,6 +385,13 @@ def _closed_loop_wakeup(unraisable) -> bool:
     return False
 
 
+def _abandoned_library_coroutine(unraisable) -> bool:
+    """A coroutine of a failed orbax read, left suspended and collected later ("Exception ignored in: <coroutine
+    object _read_array_index_and_device_put ...>" and its traceback, one per array): the failure was reported."""
+    code = getattr(unraisable.object, "cr_code", None)
+    return code is not None and code.co_filename.startswith(_LIBRARY_DIRS)
+
+
 def _quiet_library_failures() -> None:
     """Keeps orbax's and tensorstore's failure reports from background threads off stderr, for the process
     (idempotent). Set JAXAMP_ORBAX_LOGS=1 to see them."""
@@ -394,7 +406,7 @@ def _quiet_library_failures() -> None:
     previous = sys.unraisablehook
 
     def hook(unraisable):
-        if not _closed_loop_wakeup(unraisable):
+        if not (_closed_loop_wakeup(unraisable) or _abandoned_library_coroutine(unraisable)):
             previous(unraisable)
 
     hook._jaxamp_quiet = True
@@ -430,6 +442,7 @@ class Checkpointer:
         self._checksums = bool(checksums)
         self._manager: ocp.CheckpointManager | None = None  # the writer, created at the first save
         self._pending: int | None = None  # the step of a save started and not yet waited for
+        self._slow_noted = False  # warned once that saves wait for each other
         _quiet_library_failures()
         self._check_directory()
 
@@ -535,7 +548,9 @@ class Checkpointer:
         label = int(jax.device_get(state.step))
         self._check_directory()
         manager = self._writer()
+        waited = _clock()
         self.wait()  # a pending save may still be creating its folder; its failure surfaces here
+        self._note_slow_saves(label, _clock() - waited)
         on_disk = self.steps()
         if label in on_disk:
             return False
@@ -563,6 +578,14 @@ class Checkpointer:
         if started:
             self._pending = label
         return started
+
+    def _note_slow_saves(self, label: int, waited: float) -> None:
+        """Warns once per Checkpointer when a save had to wait over a second for the previous one."""
+        if waited > 1.0 and not self._slow_noted:
+            self._slow_noted = True
+            warnings.warn(f"saving step {label} waited {waited:.1f} s for the previous save to finish: saves take "
+                          "longer than the steps between them (a larger checkpoint interval avoids the stall)",
+                          stacklevel=3)
 
     def wait(self) -> None:
         """Blocks until pending saves are complete (written, committed and old steps deleted).
