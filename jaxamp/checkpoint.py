@@ -52,7 +52,9 @@ orbax pitfalls handled here (orbax-checkpoint 0.12.8):
   `absl` and `asyncio`: orbax's error records only) and an unraisable-exception hook (that RuntimeError and
   orbax's coroutines only) that keep them off stderr: the failure reaches the caller once, a failed save as a
   `CheckpointSaveError` naming the step and the operating-system error, a failed read as `restore`'s warning or
-  error. `JAXAMP_ORBAX_LOGS=1` keeps them.
+  error. After a failed save, asyncio's "Future exception was never retrieved" and the "coroutine ... was never
+  awaited" RuntimeWarning (orbax's leftovers, collected at exit) are dropped too. `JAXAMP_ORBAX_LOGS=1` keeps
+  them all.
 - A save whose step folder is missing after orbax reports success raises `CheckpointSaveError` too.
 """
 
@@ -366,11 +368,25 @@ class _LibraryFailureFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR:
-            return not _mentions_library(record)
+            debris = _SAVE_FAILED and record.name == "asyncio" and "exception was never retrieved" in str(record.msg)
+            return not (debris or _mentions_library(record))
         return not (record.pathname.startswith(_LIBRARY_DIRS) and str(record.msg).startswith(self._HARMLESS))
 
 
 _FAILURE_FILTER = _LibraryFailureFilter()
+_SAVE_FAILED = False  # set by the first failed save of the process: see _after_failed_save
+
+
+def _after_failed_save() -> None:
+    """A failed save leaves orbax's futures and coroutines behind; collected later (often at exit, after the error
+    line), they report "Future exception was never retrieved" (asyncio's logger, with no trace of orbax in the
+    record) and "coroutine '...write_fragment' was never awaited" (a RuntimeWarning). The save's failure was raised
+    already: from now on both are dropped, for the process."""
+    global _SAVE_FAILED
+    if os.environ.get(_VERBOSE_ENV) == "1":
+        return
+    _SAVE_FAILED = True
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
 def _closed_loop_wakeup(unraisable) -> bool:
@@ -569,6 +585,7 @@ class Checkpointer:
         try:
             started = bool(manager.save(label, args=args, force=force))
         except Exception as err:  # noqa: BLE001 - orbax raises OSError, ValueError, RuntimeError, ...
+            _after_failed_save()
             reason, code = _save_reason(err)
             collision = code in (None, errno_codes.EEXIST, errno_codes.ENOENT)
             raise CheckpointSaveError(
@@ -603,6 +620,7 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as err:  # noqa: BLE001 - orbax re-raises whatever the background thread raised
+            _after_failed_save()
             reason, code = _save_reason(err)
             self._drop_writer()
             raise CheckpointSaveError(f"saving {step} to {self._dir} failed: {reason}", step=pending,
