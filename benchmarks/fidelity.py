@@ -47,7 +47,7 @@ from jaxamp.precision import leaf_path  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 FULL = dict(layers=4, heads=4, width=128, seq_len=64, batch_size=64)  # nanoGPT's CPU recipe, 4,096 tokens
-TINY = dict(layers=2, heads=2, width=32, seq_len=32, batch_size=16)
+TINY = dict(layers=1, heads=2, width=32, seq_len=32, batch_size=128)  # 4,096 tokens: sums long enough to show
 
 
 def _naive_lookup(table, ids, dtype=None):
@@ -133,6 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="a small model (the test suite's run)")
     p.add_argument("--data", default=None, help="text corpus (default: tinyshakespeare if at ../shared, else the "
                    "Python standard library's sources)")
+    p.add_argument("--precisions", nargs="+", choices=["bf16", "fp16"], default=["bf16", "fp16"])
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fidelity.md"), help="markdown table")
     args = p.parse_args(argv)
     size = TINY if args.tiny else FULL
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
     model = TransformerLM(cfg)
     params = model.init(jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
     rows = []
-    for precision in ("bf16", "fp16"):
+    for precision in args.precisions:
         for batch_name, batch in batches(ds, size).items():
             for variant, fixed in (("before", False), ("after", True)):
                 r = measure(model, params, batch, precision, fixed)

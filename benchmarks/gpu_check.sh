@@ -4,13 +4,18 @@
 #   benchmarks/gpu_check.sh --prepare          # on the CPU machine: wheels the GPU box lacks -> .gpu-wheels/
 #   benchmarks/gpu_check.sh [OUTDIR]           # on the GPU box (default OUTDIR: $OUT, else benchmarks/results/gpu_check)
 #   benchmarks/gpu_check.sh --dry-run [OUTDIR] # on a CPU: the same stages at --tiny sizes (CI runs this)
+#   JAXAMP_DATA=DIR benchmarks/gpu_check.sh    # throughput on real tokens: DIR holds nanoGPT's train.bin/val.bin
 #
 # Stages (timeouts in seconds; about 6 minutes in all on one H200):
 #   0 env         nvidia-smi, jax/flax/optax versions and devices                      -> env.txt
-#   1 tests       pytest -m gpu tests/test_gpu.py: cuDNN attention, bitwise skip, one compile,
-#                 checkpoint round trip, 20 LM steps in fp32/bf16/fp16 within 1%       -> tests.log
-#   2 throughput  benchmarks/gpu_throughput.py, GPT-2 124M at seq 1024                 -> gpu_throughput.{md,json,log}
-#   3 profile     benchmarks/gpu_profile.py, kernel time by kind for bf16 and fp16     -> gpu_profile.{md,log}
+#   1 tests       pytest -m gpu tests/test_gpu.py: cuDNN attention, FP8 GEMMs, bitwise skip, one compile,
+#                 checkpoint round trip, 20 LM steps in fp32/bf16/fp16 within 1%
+#   2 throughput  benchmarks/gpu_throughput.py --model gpt2-124m (train_lm.py's preset),
+#                 seq 1024; random tokens, or $JAXAMP_DATA's                           -> gpu_throughput.{md,json}
+#   3 paired      benchmarks/gpu_paired.py, fp16 against bf16 interleaved in one process -> gpu_paired.md
+#   4 profile     benchmarks/gpu_profile.py, kernel time by kind for bf16 and fp8      -> gpu_profile.md
+# Every stage's output also goes to OUTDIR/check.log (6 files in all: the device tool returns at most 8).
+# GPU_CHECK_PRECISIONS picks the throughput rows (default: bf16 fp16 fp8 fp32 fp32-highest, cheapest first).
 # The exit status is that of the first stage that failed (0 if none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,23 +48,30 @@ if ! $PY -c "import jmp, tensorboardX" 2>/dev/null; then
   fi
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+DATA=()
+if [[ -n ${JAXAMP_DATA:-} ]]; then DATA=(--data "$JAXAMP_DATA"); fi
 status=0
-stage() {  # stage NAME TIMEOUT_S COMMAND...: runs, logs to OUTDIR/NAME.log too, keeps the first failure's status
+: >"$OUTDIR/check.log"
+stage() {  # stage NAME TIMEOUT_S COMMAND...: runs, logs to OUTDIR/check.log too, keeps the first failure's status
   local name=$1 limit=$2; shift 2
-  echo "=== [$(date -u +%H:%M:%S)] $name (timeout ${limit}s): $*"
-  timeout "$limit" "$@" 2>&1 | tee "$OUTDIR/$name.log"
+  echo "=== [$(date -u +%H:%M:%S)] $name (timeout ${limit}s): $*" | tee -a "$OUTDIR/check.log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUTDIR/check.log"
   local rc=${PIPESTATUS[0]}
-  echo "=== [$(date -u +%H:%M:%S)] $name exit $rc"
+  echo "=== [$(date -u +%H:%M:%S)] $name exit $rc" | tee -a "$OUTDIR/check.log"
   if [[ $rc -ne 0 && $status -eq 0 ]]; then status=$rc; fi
 }
 
+TESTS=(-m gpu tests/test_gpu.py)
 if [[ $DRY == 1 ]]; then
   export JAXAMP_GPU_TESTS_ON_CPU=1 JAX_PLATFORMS=cpu
-  SIZE=(--tiny --steps 2 --warmup 1)
+  TESTS+=(-k "not twenty")  # the 20-step precision comparison: the slowest on a CPU, and GPU numerics only
+  SIZE=(--tiny --steps 1 --warmup 0)
   PROFILE=(--tiny --steps 1 --warmup 0 --precisions fp16)
+  PAIRED=(--tiny --rounds 2 --steps 1 --warmup 0)
 else
-  SIZE=(--batch-size 32 --steps 10 --warmup 3)
-  PROFILE=(--batch-size 32 --steps 3 --warmup 2 --precisions bf16 fp16)
+  SIZE=(--model gpt2-124m --batch-size 32 --steps 10 --warmup 3)
+  PROFILE=(--batch-size 32 --steps 3 --warmup 2 --precisions bf16 fp8)
+  PAIRED=(--batch-size 32 --rounds 8 --steps 5 --warmup 2)
 fi
 
 {
@@ -72,9 +84,11 @@ print('backend', jax.default_backend(), [(d.device_kind, getattr(d, 'compute_cap
 } >"$OUTDIR/env.txt" 2>&1
 cat "$OUTDIR/env.txt"
 
-stage tests 150 $PY -m pytest -q -m gpu tests/test_gpu.py -rs -s -p no:cacheprovider
-stage throughput 270 $PY benchmarks/gpu_throughput.py "${SIZE[@]}" --precisions bf16 fp16 fp32 fp32-highest \
+stage tests 150 $PY -m pytest -q "${TESTS[@]}" -rs -s -p no:cacheprovider
+read -r -a PRECISIONS <<<"${GPU_CHECK_PRECISIONS:-bf16 fp16 fp8 fp32 fp32-highest}"
+stage throughput 300 $PY benchmarks/gpu_throughput.py "${SIZE[@]}" ${DATA[@]+"${DATA[@]}"} --precisions "${PRECISIONS[@]}" \
   --out "$OUTDIR/gpu_throughput.md" --json "$OUTDIR/gpu_throughput.json"
+stage paired 120 $PY benchmarks/gpu_paired.py "${PAIRED[@]}" --precisions bf16 fp16 --out "$OUTDIR/gpu_paired.md"
 stage profile 100 $PY benchmarks/gpu_profile.py "${PROFILE[@]}" --out "$OUTDIR/gpu_profile.md"
 echo "gpu_check: results in $OUTDIR; exit $status"
 exit $status

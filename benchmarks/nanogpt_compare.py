@@ -208,7 +208,7 @@ def nanogpt_lr(it: int, *, lr: float, min_lr: float, warmup: int, decay_iters: i
 
 def torch_model(run, cfg: TrainConfig):
     """The nanoGPT copy with jaxamp's sizes (built under the current torch RNG state)."""
-    return GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=run.dataset.tokenizer.vocab_size, n_layer=cfg.layers,
+    return GPT(GPTConfig(block_size=cfg.seq_len, vocab_size=run.dataset.vocab_size, n_layer=cfg.layers,
                          n_head=cfg.heads, n_embd=cfg.width, dropout=cfg.dropout, bias=cfg.bias))
 
 
@@ -577,7 +577,7 @@ def report(args, cfg, run, n_params, thr, eq, ref, ref_hist, ref_est, trained, c
              "ratio is the steadier figure. CPU only: nothing here says anything about GPU speed.")
     L.append(f"- Versions: {_versions()}.")
     L.append(f"- Model: {cfg.layers} layer(s), {cfg.heads} heads, width {cfg.width}, seq {cfg.seq_len}, vocab "
-             f"{run.dataset.tokenizer.vocab_size}, bias={cfg.bias}, tied head, exact GELU, LayerNorm eps 1e-5, "
+             f"{run.dataset.vocab_size}, bias={cfg.bias}, tied head, exact GELU, LayerNorm eps 1e-5, "
              f"causal attention, dropout {cfg.dropout}; AdamW lr {cfg.lr:g} betas ({cfg.beta1}, {cfg.beta2}), weight "
              f"decay {cfg.weight_decay} on 2-D params, grad clip {cfg.grad_clip}; batch {cfg.batch_size} x "
              f"{cfg.seq_len} = {thr['tokens_per_step']} tokens/step; data `{args.data or 'stdlib corpus'}`.")

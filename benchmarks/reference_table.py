@@ -19,6 +19,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from jaxamp.cli import write_report  # noqa: E402
 
 NANOGPT_VAL = 1.88  # nanoGPT README, shakespeare_char CPU recipe
+# The target as restated in the fidelity issue: inside nanoGPT's own seed spread for the recipe (its printed val
+# loss over seeds 1337-1340: 1.8828-1.9134, benchmarks/results/nanogpt_compare.md), half precision within 0.5% of
+# fp32, and fp8 (the FP8 issue) within 1%.
+SEED_SPREAD = (1.88, 1.91)
+WITHIN = {"fp8": 0.01}  # precision -> allowed relative distance of its val loss from fp32's
+WITHIN_DEFAULT = 0.005
 COMMAND = ("python experiments/train_lm.py --data ../shared/data/tinyshakespeare.txt --precision {p} --layers 4 "
            "--heads 4 --width 128 --seq-len 64 --batch-size 12 --steps 2000 --lr 1e-3 --dropout 0 "
            "--workdir runs/reference/{p}")
@@ -37,10 +43,12 @@ def table(runs: list[Path]) -> str:
         f"{os.cpu_count()} CPU cores (shared with other jobs while it ran), jax {jax.__version__} on "
         f"{jax.default_backend()}. Validation loss: mean over 50 fixed batches of 12 x 64 tokens of the last 10% of "
         f"tinyshakespeare; train loss likewise on the first 90%. nanoGPT publishes val loss {NANOGPT_VAL} for this "
-        "recipe. CPU tokens/s say nothing about GPU speed-ups (XLA:CPU computes half-precision dots in float32).",
+        f"recipe, one seed of a spread of {SEED_SPREAD[0]}-{SEED_SPREAD[1]} over seeds 1337-1340 (nanogpt_compare.md). "
+        "CPU tokens/s say nothing about GPU speed-ups (XLA:CPU computes half-precision dots in float32).",
         "",
         "| precision | loss scale | val loss | final train loss | skipped steps | final loss scale | tokens/s | "
-        f"wall time (s) | val <= {NANOGPT_VAL} | within 1% of fp32 |",
+        f"wall time (s) | in nanoGPT's seed spread ({SEED_SPREAD[0]}-{SEED_SPREAD[1]}) | "
+        "within 0.5% of fp32 (fp8: 1%) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in summaries:
@@ -48,8 +56,9 @@ def table(runs: list[Path]) -> str:
         lines.append(
             f"| {s['precision']} | {s['loss_scale_kind']} | {s['val_loss']:.4f} | {s['train_loss']:.4f} | "
             f"{s['skipped_steps']} | {s['final_loss_scale']:g} | {s['tokens_per_s']:.0f} | {s['wall_s']:.0f} | "
-            f"{'yes' if s['val_loss'] <= NANOGPT_VAL else 'NO'} | {rel:.2%} {'yes' if rel <= 0.01 else 'NO'} |")
-    lines += ["", "Commands (`bash benchmarks/reference_run.sh` runs all three and this script):", ""]
+            f"{'yes' if SEED_SPREAD[0] <= s['val_loss'] <= SEED_SPREAD[1] else 'NO'} | "
+            f"{rel:.2%} {'yes' if rel <= WITHIN.get(s['precision'], WITHIN_DEFAULT) else 'NO'} |")
+    lines += ["", "Commands (`bash benchmarks/reference_run.sh` runs them all and this script):", ""]
     lines += [f"    {COMMAND.format(p=s['precision'])}" for s in summaries]
     return "\n".join(lines) + "\n"
 

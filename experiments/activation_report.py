@@ -77,7 +77,7 @@ def _saved_config(ckpt_dir: Path) -> dict:
 
 
 def load(args: argparse.Namespace):
-    """`(run, params, source)`: the built run (`jaxamp.train.build`), the params to inspect and where they came from."""
+    """`(run, state, source)`: the built run (`jaxamp.train.build`), the state to inspect and where it came from."""
     import jax
 
     from jaxamp.checkpoint import Checkpointer
@@ -89,7 +89,7 @@ def load(args: argparse.Namespace):
     if args.checkpoint_workdir is None:
         cfg = TrainConfig(precision="fp32", **{k: v for k, v in sizes.items() if v is not None}, **common)
         run = build(cfg)
-        return run, run.state.params, "fresh initialisation"
+        return run, run.state, "fresh initialisation"
     ckpt_dir = args.checkpoint_workdir / "checkpoints"
     saved = _saved_config(ckpt_dir)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -103,18 +103,19 @@ def load(args: argparse.Namespace):
     run = build(cfg)  # the state's structure (loss scale, optimizer) follows the saved precision and options
     state, _ = Checkpointer(ckpt_dir).restore(jax.eval_shape(lambda: run.state), run.run_config(),
                                               match_keys=_MATCH_KEYS)
-    return run, state.params, f"checkpoint step {int(state.step)} of {args.checkpoint_workdir}"
+    return run, state, f"checkpoint step {int(state.step)} of {args.checkpoint_workdir}"
 
 
 def report_text(run, report, recommendation, source: str, num_batches: int) -> str:
     from jaxamp.diagnostics import format_activation_table
     from jaxamp.model import count_params
+    from jaxamp.state import split_fp8
 
     cfg = run.cfg
     name, reason = recommendation
     return "\n".join([
         f"# Activation ranges (float32): {cfg.layers} layers, {cfg.heads} heads, width {cfg.width}, seq "
-        f"{cfg.seq_len}, {count_params(run.state.params):,} parameters",
+        f"{cfg.seq_len}, {count_params(split_fp8(run.state.params)[0]):,} parameters",
         "",
         f"Params: {source}. Data: `{cfg.data or 'Python stdlib sources'}`, {num_batches} validation batches of "
         f"{cfg.batch_size} sequences. Percentages are of each layer's output elements; 'flush to 0': would round to "
@@ -127,20 +128,34 @@ def report_text(run, report, recommendation, source: str, num_batches: int) -> s
     ])
 
 
+def fp8_text(run, state) -> str:
+    """The FP8 ops' tensors of the first validation batch against their delayed scales (`fp8_ranges`)."""
+    from jaxamp.fp8_report import format_fp8_table, fp8_ranges
+    from jaxamp.train import make_loss_fn
+
+    rows = fp8_ranges(state, run.val_batches[0], make_loss_fn(run.model))
+    return ("\n## FP8 tensors against their current scales (first validation batch)\n\n"
+            "e4m3 (inputs, kernels) holds |x / scale| up to 448, e5m2 (output gradients) up to 57344; the scale is "
+            "max(amax history) / format max. 'amax / capacity' above 1 saturates.\n\n" + format_fp8_table(rows))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jaxamp.checkpoint import CheckpointError
     from jaxamp.data import DataError
     from jaxamp.diagnostics import activation_ranges, recommend_policy
+    from jaxamp.state import FP8_COLLECTION
     from jaxamp.train import ConfigError
 
     try:
-        run, params, source = load(args)
+        run, state, source = load(args)
     except (ConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    report = activation_ranges(run.model, params, list(run.val_batches))
+    report = activation_ranges(run.model, state.params, list(run.val_batches))
     text = report_text(run, report, recommend_policy(report), source, len(run.val_batches))
+    if FP8_COLLECTION in state.params:  # an fp8 run: its FP8 tensors against their current scales, too
+        text += fp8_text(run, state)
     print(text)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -89,7 +89,7 @@ def measure(args: argparse.Namespace) -> dict:
               flush=True)
         points.append((f"after {args.train_steps} fp32 steps", args.train_steps,
                        gradient_underflow(loss_fn, state.params, batches, loss_scale=args.loss_scale)))
-    return {"config": cfg, "vocab_size": run.dataset.tokenizer.vocab_size, "params": count_params(run.state.params),
+    return {"config": cfg, "vocab_size": run.dataset.vocab_size, "params": count_params(run.state.params),
             "use_bias": run.model.config.use_bias, "points": points, "seconds": time.perf_counter() - t0}
 
 

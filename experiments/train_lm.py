@@ -1,7 +1,9 @@
-"""Train the jaxamp Transformer LM on character-level text in fp32, bf16 or fp16.
+"""Train the jaxamp Transformer LM on text (characters or a local BPE) or nanoGPT token files in fp32, bf16 or fp16.
 
     python experiments/train_lm.py                                   # Python stdlib sources, fp32, nanoGPT CPU recipe
     python experiments/train_lm.py --data ../shared/data/tinyshakespeare.txt --precision fp16 --workdir runs/fp16
+    python experiments/train_lm.py --data ../shared/data/tinyshakespeare.txt --tokenizer bpe --vocab-size 1024
+    python experiments/train_lm.py --data nanoGPT/data/openwebtext --model gpt2-124m --precision bf16
     python experiments/train_lm.py --mesh data=8 --batch-size 96                # 8 devices, data parallel
 
 Parses flags and delegates to `jaxamp.train.train`; every flag is a field of `jaxamp.train.TrainConfig`.
@@ -41,8 +43,16 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 HELP = {
-    "data": "UTF-8 text file (default: the Python standard library's own sources, no download)",
-    "precision": "fp32 | bf16 | fp16 | auto (bf16 on TPUs and GPUs of compute capability >= 8.0, fp16 on 7.x, "
+    "data": "UTF-8 text file, or a directory holding nanoGPT's train.bin and val.bin (uint16 token ids, read by "
+            "memmap) and optionally meta.pkl (default: the Python standard library's own sources, no download)",
+    "tokenizer": "for a text file: char (one token per character) | bpe (byte-level BPE trained on the training "
+                 "split with Hugging Face tokenizers, kept in WORKDIR/tokenizer; needs --vocab-size)",
+    "vocab_size": "vocabulary size = embedding rows (bpe: the size to train, 256-65536; token files: default "
+                  "meta.pkl's, else GPT-2's 50304; characters: default the distinct characters)",
+    "model": "model size preset: small (4 layers, 4 heads, width 128, seq 64) | gpt2-124m (12, 12, 768, 1024) | "
+             "gpt2-medium (24, 16, 1024, 1024); --layers/--heads/--width/--seq-len override it",
+    "precision": "fp32 | bf16 | fp16 | fp8 (bf16 compute, Dense matmuls in FP8 with delayed scaling) | auto "
+                 "(bf16 on TPUs and GPUs of compute capability >= 8.0, fp16 on 7.x, "
                  "fp32 on older GPUs and CPUs) | a jmp policy string such as 'p=f32,c=f16,o=f32'; may change "
                  "between fp32, bf16 and fp16 on resume (the loss scale is then made anew)",
     "loss_scale": "auto (dynamic for float16 compute, else none) | dynamic | static | none",
@@ -54,7 +64,7 @@ HELP = {
     "bias": "biases in Dense and LayerNorm layers (nanoGPT's default: off)", "warmup_steps": "warmup steps", "decay_steps": "steps of warmup + cosine decay (default: --steps)", "weight_decay": "AdamW weight decay", "beta1": "Adam beta1",
     "beta2": "Adam beta2", "grad_clip": "max global gradient norm, unscaled (0 = off)", "dropout": "dropout rate",
     "eval_every": "steps between validation losses", "eval_batches": "batches per validation loss",
-    "log_every": "steps between metric fetches", "sample_tokens": "characters sampled at the end",
+    "log_every": "steps between metric fetches", "sample_tokens": "tokens sampled (and decoded) at the end",
     "seed": "seed of the data order, init and dropout", "workdir": "output directory (metrics.jsonl, summary.json)",
     "progress": "show a progress bar (default: on a terminal only)",
     "checkpoint_every": "steps between checkpoints (also saved at the end and on SIGTERM/SIGINT)",
@@ -63,6 +73,7 @@ HELP = {
     "on_overflow": "skip (drop the update, back off) | retry (back off and recompute the same batch)",
     "max_retries": "retries per step with --on-overflow retry",
     "underflow_stats": "log the gradients' zero fraction and the loss scale's headroom each step",
+    "fp8_amax_history": "steps of amax history per FP8 tensor (--precision fp8)",
     "fidelity_every": "steps between gradient-fidelity checks: each leaf's relative error against a float32 "
                       "recomputation of the same batch, as grad_rel_err in metrics.jsonl (0 = off)",
     "max_consecutive_skips": "stop, after saving, when this many steps in a row overflow (or 10 at the minimum "
@@ -76,6 +87,7 @@ HELP = {
 
 
 def parse_args(argv=None):
+    from jaxamp.presets import PRESET_FIELDS
     from jaxamp.train import TrainConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -86,7 +98,8 @@ def parse_args(argv=None):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=text)
             continue
         kind = {"int": int, "float": float}.get(str(field.type).split(" ")[0], str)
-        parser.add_argument(flag, type=kind, default=field.default, help=f"{text} (default: %(default)s)")
+        default = "the --model preset's" if field.name in PRESET_FIELDS else "%(default)s"
+        parser.add_argument(flag, type=kind, default=field.default, help=f"{text} (default: {default})")
     return TrainConfig(**vars(parser.parse_args(argv)))
 
 

@@ -11,12 +11,18 @@ resumed run sees exactly the same batches as an uninterrupted one.
 
 Without a data file the corpus is the Python standard library's own ``.py``
 sources, which every machine with Python has, so nothing needs downloading.
+
+Token files (nanoGPT's ``train.bin``/``val.bin``, see :mod:`jaxamp.token_files`)
+are passed to :func:`batch_at` as a :class:`TokenFile`: each batch maps the
+file afresh with ``numpy.memmap`` and gathers only its windows, so a file of
+billions of tokens is never read whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import mmap
 import os
 import sysconfig
 from pathlib import Path
@@ -29,6 +35,7 @@ __all__ = [
     "load_text",
     "CharTokenizer",
     "CharDataset",
+    "TokenFile",
     "batch_at",
     "eval_batches",
 ]
@@ -41,6 +48,9 @@ _GENERATED_PREFIXES = ("_sysconfigdata",)
 _GENERATED_DIR_PREFIX = "config-"
 # Added to the training seed to seed evaluation batches, so they never coincide with training ones.
 _EVAL_SEED_OFFSET = 10**6
+# Windows gathered per memmap of a TokenFile: each touched window maps its page-cache folio (up to 2 MiB on kernels
+# with large folios) into the process until the memmap is dropped, so this bounds the resident set a batch adds.
+_WINDOWS_PER_MAP = 8
 
 
 class DataError(ValueError):
@@ -276,18 +286,54 @@ class CharDataset:
         return cls(tokenizer=tokenizer, train=train, val=val)
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenFile:
+    """A flat file of little-endian ``uint16`` token ids (nanoGPT's ``train.bin``), read through ``numpy.memmap``.
+
+    Attributes:
+        path: The file.
+        length: Number of tokens (the file's size in bytes / 2).
+    """
+
+    path: Path
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+    def open(self) -> np.memmap:
+        """A fresh read-only ``u16[length]`` memmap of the file; reads nothing yet.
+
+        Dropping its last reference unmaps it, which takes the pages it touched
+        out of the process's resident set (nanoGPT re-creates its memmap per
+        batch for the same reason), so the resident memory of a long run does
+        not grow towards the file's size. The mapping is advised
+        ``MADV_RANDOM`` where the OS has it: windows are random, so the kernel
+        reads only their pages, with no readahead around them.
+        """
+        memmap = np.memmap(self.path, dtype="<u2", mode="r", shape=(self.length,))
+        raw = getattr(memmap, "_mmap", None)  # numpy's mmap.mmap object (absent for an empty file)
+        if raw is not None and hasattr(mmap, "MADV_RANDOM"):
+            raw.madvise(mmap.MADV_RANDOM)
+        return memmap
+
+
 def batch_at(
-    tokens: np.ndarray, *, seed: int, step: int, batch_size: int, seq_len: int, rows: slice | None = None
+    tokens: np.ndarray | TokenFile, *, seed: int, step: int, batch_size: int, seq_len: int,
+    rows: slice | None = None, vocab_size: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The batch for training step ``step``: a pure function of ``(seed, step)``.
 
     Draws ``batch_size`` window offsets uniformly from
     ``[0, len(tokens) - seq_len)`` with ``np.random.default_rng([seed, step])``
     (nanoGPT's ``get_batch``) and gathers the windows with one fancy-indexing
-    operation.
+    operation (from a :class:`TokenFile`, through fresh memmaps of 8 windows
+    each: only the pages of these windows are read, and only those of 8
+    windows are mapped at a time).
 
     Args:
-        tokens: ``int[n]`` token ids with ``n >= seq_len + 1``.
+        tokens: ``int[n]`` token ids with ``n >= seq_len + 1`` (an array, a
+            ``np.memmap``, or a :class:`TokenFile`).
         seed: Non-negative run seed.
         step: Non-negative step index.
         batch_size: Sequences per batch (>= 1).
@@ -296,6 +342,7 @@ def batch_at(
             global batch, see ``jaxamp.sharding.make_global_batch``): the
             same values as ``batch_at(...)[k][rows]``, without gathering the
             other rows. None = all ``batch_size`` rows.
+        vocab_size: If given, every gathered id must be below it.
 
     Returns:
         ``(inputs, targets)``, both ``i32[batch_size, seq_len]`` (or
@@ -306,9 +353,12 @@ def batch_at(
     Raises:
         ValueError: On a negative seed/step, non-positive sizes, or ``tokens``
             that is not 1-D or is shorter than ``seq_len + 1``.
+        DataError: If a gathered id is ``>= vocab_size`` (names the file and
+            the token's position).
     """
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 1:
+    source = tokens
+    tokens = tokens if isinstance(tokens, TokenFile) else np.asanyarray(tokens)
+    if isinstance(tokens, np.ndarray) and tokens.ndim != 1:
         raise ValueError(f"tokens must be 1-D int[n], got shape {tokens.shape}")
     if seed < 0 or step < 0:
         raise ValueError(f"seed and step must be non-negative, got seed={seed}, step={step}")
@@ -324,12 +374,36 @@ def batch_at(
     if rows is not None:
         offsets = offsets[rows]  # the same draws as the whole batch, then only these rows gathered
     index = offsets[:, None] + np.arange(seq_len + 1)[None, :]  # int64[batch, seq + 1]
-    windows = tokens[index].astype(np.int32)  # i32[batch, seq + 1]
+    windows = _gather(tokens, index)  # i32[batch, seq + 1]
+    if vocab_size is not None and windows.size and windows.max() >= vocab_size:
+        _raise_out_of_vocab(source, windows, index, vocab_size)
     return windows[:, :-1], windows[:, 1:]
 
 
+def _gather(tokens: np.ndarray | TokenFile, index: np.ndarray) -> np.ndarray:
+    """``i32[*index.shape]`` ``tokens[index]``, a plain array; a TokenFile is mapped afresh every 8 rows."""
+    if not isinstance(tokens, TokenFile):
+        return np.array(tokens[index], dtype=np.int32)
+    windows = np.empty(index.shape, np.int32)
+    for start in range(0, len(index), _WINDOWS_PER_MAP):
+        rows = slice(start, start + _WINDOWS_PER_MAP)
+        windows[rows] = tokens.open()[index[rows]]  # the memmap is dropped (unmapped) at once
+    return windows
+
+
+def _raise_out_of_vocab(source, windows: np.ndarray, index: np.ndarray, vocab_size: int) -> None:
+    """DataError for the first id ``>= vocab_size`` in ``windows`` (``index`` = their positions in the source)."""
+    at = np.unravel_index(np.argmax(windows >= vocab_size), windows.shape)
+    where = source.path if isinstance(source, TokenFile) else "the token array"
+    raise DataError(
+        f"{where} holds token id {int(windows[at])} at token {int(index[at]):,}, but the vocabulary has "
+        f"{vocab_size} ids; pass --vocab-size above {int(windows[at])} (or the data's meta.pkl vocabulary)"
+    )
+
+
 def eval_batches(
-    tokens: np.ndarray, *, batch_size: int, seq_len: int, num_batches: int, seed: int = 0
+    tokens: np.ndarray | TokenFile, *, batch_size: int, seq_len: int, num_batches: int, seed: int = 0,
+    vocab_size: int | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """A fixed list of batches for estimating the validation loss.
 
@@ -338,21 +412,24 @@ def eval_batches(
     and are drawn independently of the training batches.
 
     Args:
-        tokens: ``int[n]`` token ids (normally the validation split).
+        tokens: ``int[n]`` token ids (normally the validation split), or a :class:`TokenFile`.
         batch_size: Sequences per batch.
         seq_len: Tokens per sequence.
         num_batches: Number of batches (>= 1).
         seed: The run seed.
+        vocab_size: If given, every id must be below it (as :func:`batch_at`).
 
     Returns:
         ``num_batches`` pairs ``(inputs, targets)`` of ``i32[batch_size, seq_len]``.
 
     Raises:
         ValueError: If ``num_batches < 1`` or as :func:`batch_at`.
+        DataError: As :func:`batch_at`.
     """
     if num_batches < 1:
         raise ValueError(f"num_batches must be >= 1, got {num_batches}")
     return [
-        batch_at(tokens, seed=seed + _EVAL_SEED_OFFSET, step=i, batch_size=batch_size, seq_len=seq_len)
+        batch_at(tokens, seed=seed + _EVAL_SEED_OFFSET, step=i, batch_size=batch_size, seq_len=seq_len,
+                 vocab_size=vocab_size)
         for i in range(num_batches)
     ]

@@ -18,14 +18,15 @@ import jmp
 
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.precision import leaf_path
-from jaxamp.state import TrainState
+from jaxamp.state import TrainState, split_fp8
 from jaxamp.step import LossFn, _gradients
 
 PyTree = Any
 _F32 = jmp.Policy(jnp.float32, jnp.float32, jnp.float32)
 
 
-def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_steps: int = 1) -> dict[str, jax.Array]:
+def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_steps: int = 1,
+                  reference_loss_fn: LossFn | None = None) -> dict[str, jax.Array]:
     """Relative L2 error of each trainable leaf's mixed-precision gradient against a float32 recomputation.
 
     Both gradients are unscaled float32, of the same batch with the same params and the step's rng
@@ -38,23 +39,32 @@ def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
       loss_fn: as for `train_step`; it must compute in the dtype its params arrive in (the float32 recomputation
         hands it float32 params).
       accum_steps: micro-batches, as for `train_step`.
+      reference_loss_fn: the loss of the float32 recomputation, for a model whose precision lives in the model
+        itself: for FP8 ops, the same model without them (it gets the params without the FP8 collection). None =
+        `loss_fn`.
 
     Returns:
       `{leaf path: f32[] error}`, keys as `jaxamp.precision.leaf_path` writes them (`"h_0/mlp/c_fc/kernel"`);
       inf where the mixed-precision gradient is not finite; 0 where both gradients are exactly 0.
     """
-    mixed, exact = gradient_pair(state, batch, loss_fn, accum_steps=accum_steps)
+    mixed, exact = gradient_pair(state, batch, loss_fn, accum_steps=accum_steps, reference_loss_fn=reference_loss_fn)
     flat, _ = jax.tree_util.tree_flatten_with_path(mixed)
     refs = jax.tree.leaves(exact)
     return {leaf_path(path): _rel_err(g, r) for (path, g), r in zip(flat, refs)}
 
 
-def gradient_pair(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_steps: int = 1) -> tuple[PyTree, PyTree]:
+def gradient_pair(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_steps: int = 1,
+                  reference_loss_fn: LossFn | None = None) -> tuple[PyTree, PyTree]:
     """`(mixed, float32)`: the unscaled float32 gradients of the trainable params as `train_step` computes them, and
-    the same under a float32 policy with no loss scale (same batch, params and rng). Jit-able."""
+    the same under a float32 policy with no loss scale (same batch, params and rng; `reference_loss_fn`, if given,
+    on the params without the FP8 collection). Jit-able."""
     rng = jax.random.fold_in(state.rng, state.step)
     mixed = _gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, False).grads
-    exact = _gradients(state.replace(policy=_F32), batch, loss_fn, NoOpLossScale(), rng, accum_steps, False).grads
+    reference = state.replace(policy=_F32)
+    if reference_loss_fn is not None:
+        reference = reference.replace(params=split_fp8(state.params)[0])
+    exact = _gradients(reference, batch, reference_loss_fn or loss_fn, NoOpLossScale(), rng, accum_steps,
+                       False).grads
     return mixed, exact
 
 

@@ -204,19 +204,31 @@ class Dense(nn.Module):
     """`nn.Dense` (same parameters, initialisers and forward numerics) whose bias gradient sums in float32.
 
     Computes `x @ kernel + bias` in the dtype the inputs and parameters share (the compute dtype; no promotion), with
-    `add_bias` for the bias. `dot_general_cls` is passed through as in `nn.Dense` (e.g. Flax's FP8 ops).
+    `add_bias` for the bias. With `fp8=True` the matmul goes through Flax's `Fp8DirectDotGeneralOp`: inputs and
+    kernel quantized to e4m3, the output gradient to e5m2, each with a per-tensor scale from an amax history of
+    `fp8_amax_history` steps (delayed scaling, as Transformer Engine); those scales and histories are variables of
+    the `"_overwrite_with_gradient"` collection, which `jaxamp.train_step` updates. With float16 compute the FP8 op
+    runs its quantization and accumulation in float32 (float16 cannot hold the sum of FP8 products before
+    dequantization, up to 448^2 per term). `dot_general_cls` is passed through as in `nn.Dense` otherwise.
 
     Attributes:
       features: output features.
       use_bias: whether to add a bias.
       kernel_init, bias_init: initializers of `f32[in, features]` and `f32[features]`.
-      dot_general_cls: optional module class whose instances replace `lax.dot_general`.
+      fp8: run the matmul in FP8 (see above).
+      fp8_amax_history: steps of amax history per tensor (FP8 only).
+      dot_general_cls: optional module class whose instances replace `lax.dot_general` (ignored with `fp8`).
+
+    Raises:
+      ValueError: the inputs and the kernel arrive in different dtypes.
     """
 
     features: int
     use_bias: bool = True
     kernel_init: Callable = nn.initializers.lecun_normal()
     bias_init: Callable = nn.initializers.zeros_init()
+    fp8: bool = False
+    fp8_amax_history: int = 1024
     dot_general_cls: Any = None
 
     @nn.compact
@@ -227,6 +239,14 @@ class Dense(nn.Module):
         if kernel.dtype != x.dtype:
             raise ValueError(f"Dense inputs are {x.dtype} but its kernel arrived as {kernel.dtype}: cast the inputs "
                              "to the compute dtype (the dtype the policy gives the weights)")
-        dot_general = self.dot_general_cls() if self.dot_general_cls is not None else lax.dot_general
-        y = dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))  # [..., features]
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        if self.fp8:
+            op = nn.Fp8DirectDotGeneralOp(amax_history_length=self.fp8_amax_history, name="fp8")
+            # float16 cannot hold the FP8 product's sum before dequantization (448^2 per term): with float16 compute
+            # the op quantizes and accumulates in float32, and the result is cast back.
+            op_dtype = jnp.float32 if x.dtype == jnp.float16 else x.dtype
+            y = op(x.astype(op_dtype), kernel.astype(op_dtype), dims).astype(x.dtype)  # [..., features]
+        else:
+            dot_general = self.dot_general_cls() if self.dot_general_cls is not None else lax.dot_general
+            y = dot_general(x, kernel, dims)  # [..., features]
         return y if bias is None else add_bias(y, bias)

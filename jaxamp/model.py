@@ -102,6 +102,16 @@ class TransformerConfig:
         dropout: Dropout probability in [0, 1).
         use_bias: Whether Dense layers and LayerNorms have biases (nanoGPT's
             ``bias`` flag).
+        fp8: Whether the Dense matmuls (attention projections and MLP) run in
+            FP8 through Flax's ``Fp8DirectDotGeneralOp`` (e4m3 inputs and
+            kernels, e5m2 output gradients, delayed per-tensor scaling). The
+            tied head and the attention core stay in the 16-bit compute dtype,
+            as Transformer Engine keeps them: the head's logits feed the
+            float32 loss directly and are the most sensitive matmul, and the
+            attention core runs in cuDNN's fused kernel. The scales and amax
+            histories are variables of the ``"_overwrite_with_gradient"``
+            collection: pass the whole variables dict to ``TrainState.create``.
+        fp8_amax_history: Steps of amax history per FP8 tensor.
 
     Raises:
         ValueError: On a non-positive size, a ``num_heads`` that does not
@@ -116,9 +126,11 @@ class TransformerConfig:
     mlp_ratio: int = 4  # MLP hidden features per model feature (multiple of width)
     dropout: float = 0.0  # probability in [0, 1)
     use_bias: bool = True  # flag: biases in Dense layers and LayerNorms
+    fp8: bool = False  # flag: Dense matmuls in FP8 (e4m3/e5m2, delayed scaling); head and attention stay 16-bit
+    fp8_amax_history: int = 1024  # steps of amax history per FP8 tensor
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "width", "mlp_ratio"):
+        for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "width", "mlp_ratio", "fp8_amax_history"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(
@@ -142,12 +154,14 @@ class TransformerConfig:
         return self.width // self.num_heads
 
 
-def _dense(features: int, use_bias: bool, std: float, name: str) -> Dense:
+def _dense(cfg: "TransformerConfig", features: int, std: float, name: str) -> Dense:
     """A nanoGPT-initialised Dense layer that computes in its inputs'/params' dtype (bias gradient summed in
-    float32: `jaxamp.layers.Dense`)."""
+    float32, FP8 matmul when `cfg.fp8`: `jaxamp.layers.Dense`)."""
     return Dense(
         features,
-        use_bias=use_bias,
+        use_bias=cfg.use_bias,
+        fp8=cfg.fp8,
+        fp8_amax_history=cfg.fp8_amax_history,
         kernel_init=nn.initializers.normal(stddev=std),
         bias_init=nn.initializers.zeros,
         name=name,
@@ -309,7 +323,7 @@ class CausalSelfAttention(nn.Module):
         cfg = self.config
         batch, seq, width = x.shape
         resid_std = _INIT_STD / math.sqrt(2 * cfg.num_layers)
-        qkv = _dense(3 * width, cfg.use_bias, _INIT_STD, "c_attn")(x)  # [batch, seq, 3*width]
+        qkv = _dense(cfg, 3 * width, _INIT_STD, "c_attn")(x)  # [batch, seq, 3*width]
         q, k, v = jnp.split(qkv, 3, axis=-1)  # each [batch, seq, width]
         q = q.reshape(batch, seq, cfg.num_heads, cfg.head_dim)  # [batch, seq, heads, head_dim]
         k = k.reshape(batch, seq, cfg.num_heads, cfg.head_dim)  # [batch, seq, heads, head_dim]
@@ -317,7 +331,7 @@ class CausalSelfAttention(nn.Module):
         # Float32 island (b): attention core in float32; output back in q's dtype.
         y = dot_product_attention(q, k, v, is_causal=True)  # [batch, seq, heads, head_dim]
         y = y.reshape(batch, seq, width)  # [batch, seq, width]
-        y = _dense(width, cfg.use_bias, resid_std, "c_proj")(y)  # [batch, seq, width]
+        y = _dense(cfg, width, resid_std, "c_proj")(y)  # [batch, seq, width]
         return nn.Dropout(rate=cfg.dropout)(y, deterministic=deterministic)
 
 
@@ -344,10 +358,10 @@ class MLP(nn.Module):
         cfg = self.config
         width = x.shape[-1]
         resid_std = _INIT_STD / math.sqrt(2 * cfg.num_layers)
-        h = _dense(cfg.mlp_ratio * width, cfg.use_bias, _INIT_STD, "c_fc")(x)  # [batch, seq, hidden]
+        h = _dense(cfg, cfg.mlp_ratio * width, _INIT_STD, "c_fc")(x)  # [batch, seq, hidden]
         # PyTorch's nn.GELU() (used by nanoGPT) is the exact erf form.
         h = nn.gelu(h, approximate=False)
-        y = _dense(width, cfg.use_bias, resid_std, "c_proj")(h)  # [batch, seq, width]
+        y = _dense(cfg, width, resid_std, "c_proj")(h)  # [batch, seq, width]
         return nn.Dropout(rate=cfg.dropout)(y, deterministic=deterministic)
 
 

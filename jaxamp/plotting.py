@@ -19,13 +19,29 @@ class PlotError(ValueError):
     """A run directory cannot be plotted (missing, or no metrics); the message names the directory."""
 
 
+def _summary(run_dir: Path) -> dict:
+    """The run's `summary.json`, or {} when it is missing or unreadable."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
 def _label(run_dir: Path) -> str:
     """The run's precision from `summary.json`, else the directory name."""
-    try:
-        precision = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("precision")
-    except (OSError, ValueError, AttributeError):
-        precision = None
+    precision = _summary(run_dir).get("precision")
     return str(precision) if precision else run_dir.name
+
+
+def _final_scale(run_dir: Path, records: list[dict]) -> tuple[int, float] | None:
+    """(last step, loss scale after it) from `summary.json`: each record holds the scale its step was computed with,
+    so a growth at the last step (e.g. step 2000 of a 2000-step interval) shows only in the summary."""
+    summary = _summary(run_dir)
+    final = summary.get("final_loss_scale")
+    if summary.get("steps") != records[-1]["step"] or not _finite(final) or final <= 0:
+        return None
+    return records[-1]["step"], float(final)
 
 
 def _unique(labels: list[str], run_dirs: list[Path]) -> list[str]:
@@ -112,7 +128,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path, labels: Sequ
     FigureCanvasAgg(fig)
     ax_loss, ax_scale, ax_norm, ax_speed = fig.subplots(2, 2).ravel()
     skipped_labelled = False
-    for i, (records, label) in enumerate(zip(runs, labels)):
+    for i, (records, label, run_dir) in enumerate(zip(runs, labels, run_dirs)):
         color = f"C{i % 10}"
         steps, loss = _series(records, "loss")
         if loss:
@@ -126,6 +142,10 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path, labels: Sequ
                          label=f"{label} val")
 
         ssteps, scale = _series(records, "loss_scale", positive=True)
+        final = _final_scale(run_dir, records)
+        if scale and final is not None:
+            ssteps, scale = [*ssteps, final[0]], [*scale, final[1]]  # the scale after the last step
+            ax_scale.plot(*final, color=color, marker="o", markersize=5)
         if scale:
             ax_scale.plot(ssteps, scale, color=color, linewidth=1.5, drawstyle="steps-post", label=label,
                           marker=_lone(ssteps))
@@ -146,7 +166,8 @@ def plot_runs(run_dirs: Sequence[str | Path], out_path: str | Path, labels: Sequ
             ax_speed.plot(tsteps, speed, color=color, linewidth=1.2, label=label, marker=_lone(tsteps))
 
     ax_loss.set(title="loss (train: raw + smoothed; val: markers)", xlabel="step", ylabel="cross-entropy (nats/token)")
-    ax_scale.set(title="loss scale (x = skipped step)", xlabel="step", ylabel="loss scale")
+    ax_scale.set(title="loss scale per step (x = skipped step, o = after the last step)", xlabel="step",
+                 ylabel="loss scale")
     ax_scale.set_yscale("log", base=2)
     ax_norm.set(title="gradient norm (unscaled)", xlabel="step", ylabel="global L2 norm")
     ax_norm.set_yscale("log")

@@ -33,30 +33,39 @@ def leaf_path(path) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Policy(jmp.Policy):
-    """A jmp policy whose compute copy keeps the leaves named by `keep_float32` in float32.
+    """A jmp policy with two jaxamp rules: leaves that stay float32 in the compute copy, and FP8 matmuls.
 
     `cast_to_compute(params)` casts every floating leaf to `compute_dtype` except those whose path (`leaf_path`, e.g.
-    `"wte/embedding"`) matches one of the `fnmatch` patterns: those are cast to float32. `cast_to_param` and
-    `cast_to_output` are jmp's. The rule exists for gathered rows: a lookup `table[ids]` into a half-precision table
-    differentiates into a half-precision scatter-add, and a row looked up thousands of times in a batch stops
-    absorbing contributions (bf16: once its sum is ~2^8 times one contribution). torch.amp never autocasts
-    embeddings for the same reason. Keep the table float32 and cast the looked-up rows to the compute dtype in the
-    model (`jaxamp.layers.embed_lookup` does both: its gradient accumulates in float32 whatever the table's dtype).
+    `"wte/embedding"`) matches one of the `keep_float32` `fnmatch` patterns: those are cast to float32.
+    `cast_to_param` and `cast_to_output` are jmp's. The rule exists for gathered rows: a lookup `table[ids]` into a
+    half-precision table differentiates into a half-precision scatter-add, and a row looked up thousands of times in
+    a batch stops absorbing contributions (bf16: once its sum is ~2^8 times one contribution). torch.amp never
+    autocasts embeddings for the same reason. Keep the table float32 and cast the looked-up rows to the compute
+    dtype in the model (`jaxamp.layers.embed_lookup` does both).
 
-    Build it with `get_policy(spec, keep_float32=("*embedding",))`; `policy_name` writes it as
-    `"bf16;keep_float32=*embedding"`, which `get_policy` parses back.
+    `fp8` says that the model's Dense matmuls go through Flax's FP8 ops (e4m3 inputs and kernels, e5m2 output
+    gradients, delayed per-tensor scaling: `jaxamp.layers.Dense(fp8=True)`); it changes no cast here. The `"fp8"`
+    preset is float32 master weights, bfloat16 compute and FP8 matmuls.
+
+    Build it with `get_policy(spec, keep_float32=("*embedding",))` or `get_policy("fp8")`; `policy_name` writes it as
+    `"bf16;keep_float32=*embedding"`, `"fp8"` or `"fp16;fp8"`, which `get_policy` parses back.
 
     Attributes:
       keep_float32: `fnmatch` patterns over leaf paths, e.g. `("*/embedding",)` for every Flax `nn.Embed` table.
+      fp8: the model's Dense matmuls run in FP8 (a flag for the model; see `uses_fp8`).
     """
 
     keep_float32: tuple[str, ...] = ()
+    fp8: bool = False
 
     def keeps(self, path: str) -> bool:
         """Whether the leaf at `path` (as `leaf_path` writes it) stays float32 in the compute copy."""
         return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.keep_float32)
 
     def cast_to_compute(self, x: PyTree) -> PyTree:
+        if not self.keep_float32:
+            return super().cast_to_compute(x)
+
         def cast(path, leaf):
             dtype = jnp.float32 if self.keeps(leaf_path(path)) else self.compute_dtype
             return leaf.astype(dtype) if jnp.issubdtype(jnp.result_type(leaf), jnp.floating) else leaf
@@ -64,55 +73,68 @@ class Policy(jmp.Policy):
         return jax.tree_util.tree_map_with_path(cast, x)
 
     def __str__(self) -> str:
-        return f"{policy_name(jmp.Policy(self.param_dtype, self.compute_dtype, self.output_dtype))};" \
-               f"keep_float32={','.join(self.keep_float32)}"
+        return policy_name(self)
 
-PRESETS: dict[str, Policy] = {
+
+PRESETS: dict[str, jmp.Policy] = {
     "fp32": jmp.Policy(jnp.float32, jnp.float32, jnp.float32),
     "bf16": jmp.Policy(jnp.float32, jnp.bfloat16, jnp.float32),
     "fp16": jmp.Policy(jnp.float32, jnp.float16, jnp.float32),
+    "fp8": Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=True),
 }
 
 _JMP_FORMS = ('"params=float32,compute=float16,output=float32"', '"p=f32,c=bf16"', 'a dtype name such as "float32"')
+_RULES = "';keep_float32=PATTERN,PATTERN' and ';fp8'"
 
 
 def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[str] = ()) -> jmp.Policy:
     """Returns the precision policy named by `spec`.
 
     Args:
-      spec: a preset (`"fp32"`, `"bf16"`, `"fp16"`), `"auto"` (see `auto_precision`), any policy string that
+      spec: a preset (`"fp32"`, `"bf16"`, `"fp16"`, `"fp8"`), `"auto"` (see `auto_precision`), any policy string that
         `jmp.get_policy` parses (e.g. `"params=float32,compute=float16,output=float32"` or `"p=f32,c=bf16"`; jmp's
-        rule applies: an unnamed output dtype follows the compute dtype), any of these followed by
-        `";keep_float32=PATTERN,PATTERN"` (what `policy_name` writes), or a `jmp.Policy`.
+        rule applies: an unnamed output dtype follows the compute dtype), any of these followed by rules
+        `";fp8"` and `";keep_float32=PATTERN,PATTERN"` (what `policy_name` writes), or a `jmp.Policy`.
       keep_float32: `fnmatch` patterns of leaves that stay float32 in the compute copy (see `Policy`), added to
         those of `spec`.
 
     Returns:
       A `jmp.Policy` whose `cast_to_compute` casts the float32 master weights to the compute dtype: a `Policy`
-      when any `keep_float32` pattern is given, else the plain jmp policy (a preset, or `spec` itself).
+      when a rule applies, else the plain jmp policy (a preset, or `spec` itself).
 
     Raises:
-      ValueError: the name is neither a preset nor a jmp policy string (the message lists the accepted forms), or
-        `keep_float32` is not a sequence of non-empty strings.
+      ValueError: the name is neither a preset nor a jmp policy string, or a rule is unknown (the message lists the
+        accepted forms), or `keep_float32` is not a sequence of non-empty strings.
     """
     if isinstance(keep_float32, str) or not all(isinstance(p, str) and p for p in keep_float32):
         raise ValueError(f"keep_float32 must be a sequence of fnmatch patterns such as ('*/embedding',), got "
                          f"{keep_float32!r}")
+    fp8 = False
     if isinstance(spec, str) and ";" in spec:
-        spec, _, rule = spec.partition(";")
-        name, _, patterns = rule.partition("=")
-        if name.strip() != "keep_float32" or not patterns.strip():
-            raise ValueError(f"unknown policy rule {rule!r}: the one rule is ';keep_float32=PATTERN,PATTERN'")
-        keep_float32 = (*[p.strip() for p in patterns.split(",") if p.strip()], *keep_float32)
+        spec, *rules = spec.split(";")
+        for rule in (r.strip() for r in rules):
+            name, _, patterns = rule.partition("=")
+            if rule == "fp8":
+                fp8 = True
+            elif name.strip() == "keep_float32" and patterns.strip():
+                keep_float32 = (*[p.strip() for p in patterns.split(",") if p.strip()], *keep_float32)
+            else:
+                raise ValueError(f"unknown policy rule {rule!r}: the rules are {_RULES}")
     base = _base_policy(spec)
     keep = tuple(dict.fromkeys((*getattr(base, "keep_float32", ()), *keep_float32)))  # in order, once each
-    if not keep:
+    fp8 = fp8 or getattr(base, "fp8", False)
+    if not keep and not fp8:
         return base
-    return Policy(base.param_dtype, base.compute_dtype, base.output_dtype, keep_float32=keep)
+    return Policy(base.param_dtype, base.compute_dtype, base.output_dtype, keep_float32=keep, fp8=fp8)
+
+
+def uses_fp8(policy: jmp.Policy) -> bool:
+    """Whether `policy` asks for FP8 matmuls (`get_policy("fp8")`, or a `";fp8"` rule)."""
+    return bool(getattr(policy, "fp8", False))
 
 
 def _base_policy(spec: str | jmp.Policy) -> jmp.Policy:
-    """`get_policy` without the per-leaf rule."""
+    """`get_policy` without the rules given after `;`."""
     if isinstance(spec, jmp.Policy):
         return spec
     if isinstance(spec, str) and spec.strip().lower() == "auto":
@@ -128,21 +150,20 @@ def _base_policy(spec: str | jmp.Policy) -> jmp.Policy:
         accepted = ", ".join(f'"{p}"' for p in (*PRESETS, "auto"))
         raise ValueError(
             f"unknown precision policy {spec!r} ({err}); accepted: the presets {accepted}, or a jmp policy string "
-            f"({'; '.join(_JMP_FORMS)})"
+            f"({'; '.join(_JMP_FORMS)}), optionally followed by the rules {_RULES}"
         ) from None
 
 
 def policy_name(policy: jmp.Policy, *, rules: bool = True) -> str:
     """Returns the preset name of `policy` if it is one, else jmp's short form (e.g. `"p=f32,c=f16,o=f16"` for
-    `get_policy("float16")`; jmp writes float32 as `full` in some forms), followed by `;keep_float32=...` for a
-    `Policy` with that rule unless `rules=False`. `get_policy(policy_name(p)) == p`."""
-    if isinstance(policy, Policy):
-        return str(policy) if rules else policy_name(jmp.Policy(policy.param_dtype, policy.compute_dtype,
-                                                                policy.output_dtype))
-    for name, preset in PRESETS.items():
-        if preset == policy:
-            return name
-    return str(policy)
+    `get_policy("float16")`; jmp writes float32 as `full` in some forms); `"fp8"` or `";fp8"` for FP8 matmuls; and
+    `";keep_float32=..."` for that rule unless `rules=False`. `get_policy(policy_name(p)) == p`."""
+    base = jmp.Policy(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+    name = next((n for n, preset in PRESETS.items() if preset == base), str(base))
+    if uses_fp8(policy):
+        name = "fp8" if base == PRESETS["bf16"] else f"{name};fp8"
+    keep = getattr(policy, "keep_float32", ())
+    return f"{name};keep_float32={','.join(keep)}" if rules and keep else name
 
 
 def needs_loss_scaling(policy: jmp.Policy) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import flax.core
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,8 @@ from jaxamp.loss_scale import LossScale
 from jaxamp.precision import get_policy
 
 PyTree = Any
+# Flax's FP8 ops keep their scales and amax histories in this collection; the "gradient" of each is its new value.
+FP8_COLLECTION = "_overwrite_with_gradient"
 
 
 def _raw_key(rng: jax.Array) -> jax.Array:
@@ -78,7 +81,9 @@ class TrainState:
     Attributes:
       step: i32[] `train_step` calls so far = batches consumed (skipped steps included). The one step counter: it
         drives the data order, per-step dropout keys and checkpoint labels.
-      params: the master weights, in the policy's param dtype (float32 under the presets).
+      params: the master weights, in the policy's param dtype (float32 under the presets). A model with Flax FP8 ops
+        keeps its whole variables dict here, `{"params": ..., "_overwrite_with_gradient": ...}` (as Flax's own
+        TrainState does): the FP8 scales and amax histories stay float32 and are updated by `train_step` (see it).
       opt_state: the optax state of `tx` for the trainable params (`trainable_params()`; float32 under the
         presets). Its own count advances only on applied updates, so LR schedules skip overflowed steps.
       loss_scale: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`.
@@ -100,8 +105,15 @@ class TrainState:
     trainable: tuple[bool, ...] | None = flax.struct.field(pytree_node=False, default=None)
 
     def trainable_params(self, params: PyTree | None = None) -> PyTree:
-        """`params` (default: `self.params`) with every frozen leaf replaced by None: the tree the optimizer sees."""
-        return split_frozen(self.params if params is None else params, self.trainable)[0]
+        """`params` (default: `self.params`) without the FP8 collection and with every frozen leaf replaced by None:
+        the tree the optimizer sees."""
+        return split_frozen(split_fp8(self.params if params is None else params)[0], self.trainable)[0]
+
+    def compute_params(self) -> PyTree:
+        """The params as `loss_fn` receives them: cast by the policy (`cast_to_compute`), the FP8 collection (if
+        any) as it is, float32."""
+        regular, fp8 = split_fp8(self.params)
+        return merge_fp8(self.policy.cast_to_compute(regular), fp8)
 
     def with_policy(self, policy: jmp.Policy | str, loss_scale: LossScale) -> "TrainState":
         """The same run (master weights, optimizer state, step, RNG) under another precision policy and loss scale.
@@ -152,7 +164,8 @@ class TrainState:
           loss_scale: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`.
           rng: a PRNG key, typed (`jax.random.key`) or raw (`jax.random.PRNGKey`), threefry2x32 (JAX's default);
             stored raw, `u32[2]`.
-          trainable: which params train (fine-tuning with frozen parts). None = all. Either a pytree of bools shaped
+          trainable: which params train (fine-tuning with frozen parts; the FP8 collection is not among them: it
+            is always updated). None = all. Either a pytree of bools shaped
             like `params` or a prefix of it (`{"encoder": False, "head": True}`), or a callable
             `(path, leaf) -> bool` over `jax.tree_util.tree_flatten_with_path(params)` paths
             (`jaxamp.precision.leaf_path(path)` gives `"encoder/kernel"`). Frozen leaves are not differentiated (no
@@ -175,10 +188,12 @@ class TrainState:
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise ValueError(f"tx must be an optax GradientTransformation, e.g. optax.adamw(1e-3), got "
                              f"{type(tx).__name__}")
-        params = policy.cast_to_param(jax.tree_util.tree_map_with_path(_float_array, params))
-        mask = trainable_mask(trainable, params)
+        regular, fp8 = split_fp8(jax.tree_util.tree_map_with_path(_float_array, params))
+        regular = policy.cast_to_param(regular)  # the FP8 scales and histories stay float32
+        mask = trainable_mask(trainable, regular)
+        params = merge_fp8(regular, fp8)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and i32 counts (all float32 here)
-            opt_state = tx.init(split_frozen(params, mask)[0])
+            opt_state = tx.init(split_frozen(regular, mask)[0])
         params, opt_state = _unalias((params, opt_state))
         return cls(
             step=jnp.zeros((), jnp.int32),
@@ -198,6 +213,22 @@ def _check_policy(policy) -> jmp.Policy:
     if not isinstance(policy, jmp.Policy):
         raise ValueError(f"policy must be a jmp.Policy or a spec such as 'fp16', got {type(policy).__name__}")
     return policy
+
+
+def split_fp8(params: PyTree) -> tuple[PyTree, PyTree]:
+    """`(params without the FP8 collection, the FP8 collection or None)` of a variables dict."""
+    if isinstance(params, (dict, flax.core.FrozenDict)) and FP8_COLLECTION in params:
+        rest = {k: v for k, v in params.items() if k != FP8_COLLECTION}
+        return (flax.core.FrozenDict(rest) if isinstance(params, flax.core.FrozenDict) else rest), params[FP8_COLLECTION]
+    return params, None
+
+
+def merge_fp8(params: PyTree, fp8: PyTree) -> PyTree:
+    """The inverse of `split_fp8`."""
+    if fp8 is None:
+        return params
+    merged = {**params, FP8_COLLECTION: fp8}
+    return flax.core.FrozenDict(merged) if isinstance(params, flax.core.FrozenDict) else merged
 
 
 def trainable_mask(trainable, params: PyTree) -> tuple[bool, ...] | None:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp.grad_stats import underflow_stats
-from jaxamp.state import TrainState, merge_frozen, split_frozen
+from jaxamp.state import TrainState, merge_fp8, merge_frozen, split_fp8, split_frozen
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, Any], Any]
@@ -55,37 +55,70 @@ class _Check(NamedTuple):
     norm: jax.Array  # f32[]: global L2 norm (`optax.tree.norm`); inf or NaN when not finite
 
 
-def _check_grads(grads: PyTree) -> _Check:
-    """The finite check and the global norm read each gradient leaf once, not twice (one fused reduction per leaf)."""
+def _check_grads(grads: PyTree, fp8: PyTree = None) -> _Check:
+    """The finite check and the global norm read each gradient leaf once, not twice (one fused reduction per leaf).
+
+    With FP8 ops the new amax histories count too: FP8 quantization clips the output gradient to e5m2's range, so an
+    overflow (inf) there leaves finite, clipped weight gradients, and only its amax (inf) shows it.
+    """
     leaf_checks = jax.tree.map(_leaf_check, grads)
     is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
     sums = jax.tree.leaves(jax.tree.map(lambda c: c[0], leaf_checks, is_leaf=is_pair))
     flags = jax.tree.map(lambda c: c[1], leaf_checks, is_leaf=is_pair)
     finite = jnp.all(jnp.stack(jax.tree.leaves(flags))) if sums else jnp.ones((), jnp.bool_)
+    if jax.tree.leaves(fp8):
+        finite = finite & jnp.all(jnp.stack([_leaf_check(x)[1] for x in jax.tree.leaves(fp8)]))
     norm = jnp.sqrt(sum(sums, jnp.zeros((), jnp.float32)))
     return _Check(finite, flags, norm)
 
 
 class _Grads(NamedTuple):
-    grads: PyTree  # float32, unscaled, like the params
+    grads: PyTree  # float32, unscaled, like the trainable params
     loss: jax.Array  # f32[] unscaled mean loss
     aux: Any  # loss_fn's aux (stacked [accum_steps, ...] under accumulation) or None
     stats: Any  # underflow_stats dict (averaged over micro-batches; min headroom) or None
+    fp8: Any = None  # the FP8 collection's new values (float32, loss-scale free), or None without FP8 ops
+
+
+def _is_output_grad(path) -> bool:
+    """Flax's FP8 entries measured on the output gradient (`output_grad_scale`, `output_grad_amax_history`)."""
+    last = path[-1]
+    return str(getattr(last, "key", getattr(last, "name", last))).startswith("output_grad")
+
+
+def _fp8_in_scaled_units(fp8: PyTree, loss_scale, inverse: bool = False) -> PyTree:
+    """The FP8 state is stored loss-scale free; the backward pass sees the scaled output gradient, so its
+    output-gradient scales and amax histories are multiplied by the loss scale on the way in and divided on the way
+    out (exact for power-of-2 scales: the FP8 values and the state are then bitwise independent of the scale)."""
+    if fp8 is None:
+        return None
+    s = loss_scale.loss_scale
+
+    def convert(path, x):
+        if not _is_output_grad(path):
+            return x
+        return (x / s if inverse else x * s).astype(x.dtype)
+
+    return jax.tree_util.tree_map_with_path(convert, fp8)
 
 
 def _micro_grads(loss_fn, loss_scale, params_c, batch, rng):
-    """Scaled loss -> gradients w.r.t. the trainable compute-dtype params (still scaled, in the compute dtype).
+    """Scaled loss -> gradients w.r.t. the trainable compute-dtype params (still scaled, in the compute dtype) and
+    the FP8 collection's new values (loss-scale free).
 
-    `params_c` is the `(trainable, frozen)` pair of `split_frozen`: frozen leaves enter the loss as constants.
+    `params_c` is `(trainable, frozen, fp8)`: frozen leaves enter the loss as constants; the FP8 collection (None
+    without FP8 ops) is "differentiated" too, since Flax's FP8 ops return its new values as its gradient.
     """
-    train_c, frozen_c = params_c
+    train_c, frozen_c, fp8 = params_c
 
-    def scaled_loss(train):
-        loss, aux = _split_loss(loss_fn(merge_frozen(train, frozen_c), batch, rng))
+    def scaled_loss(train, fp8_scaled):
+        params = merge_fp8(merge_frozen(train, frozen_c), fp8_scaled)
+        loss, aux = _split_loss(loss_fn(params, batch, rng))
         return loss_scale.scale(loss), (loss, aux)
 
-    grads_c, (loss, aux) = jax.grad(scaled_loss, has_aux=True)(train_c)
-    return grads_c, loss, aux
+    (grads_c, fp8_new), (loss, aux) = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)(
+        train_c, _fp8_in_scaled_units(fp8, loss_scale))
+    return grads_c, loss, aux, _fp8_in_scaled_units(fp8_new, loss_scale, inverse=True)
 
 
 def _split_micro(batch: PyTree, accum_steps: int) -> PyTree:
@@ -113,36 +146,41 @@ def _split_micro(batch: PyTree, accum_steps: int) -> PyTree:
 
 def _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps: int, with_stats: bool) -> _Grads:
     """Float32 unscaled gradients of the trainable params, averaged over `accum_steps` micro-batches (one lax.scan,
-    float32 accumulator)."""
-    params_c = split_frozen(state.policy.cast_to_compute(state.params), state.trainable)
+    float32 accumulator), and the FP8 collection's new values (over micro-batches: the element-wise maximum, i.e.
+    the newest amax history with the largest amax of the micro-batches, and the largest scale)."""
+    regular, fp8 = split_fp8(state.params)
+    train_c, frozen_c = split_frozen(state.policy.cast_to_compute(regular), state.trainable)
+    params_c = (train_c, frozen_c, fp8)
     stats_of = underflow_stats if with_stats else (lambda g: None)
     if accum_steps == 1:
-        grads_c, loss, aux = _micro_grads(loss_fn, loss_scale, params_c, batch, rng)
-        return _Grads(loss_scale.unscale(grads_c), loss, aux, stats_of(grads_c))
+        grads_c, loss, aux, fp8_new = _micro_grads(loss_fn, loss_scale, params_c, batch, rng)
+        return _Grads(loss_scale.unscale(grads_c), loss, aux, stats_of(grads_c), fp8_new)
 
     def body(carry, xs):
-        acc, loss_sum, stats_acc = carry
+        acc, loss_sum, stats_acc, fp8_acc = carry
         micro, i = xs
-        grads_c, loss, aux = _micro_grads(loss_fn, loss_scale, params_c, micro, jax.random.fold_in(rng, i))
+        grads_c, loss, aux, fp8_new = _micro_grads(loss_fn, loss_scale, params_c, micro, jax.random.fold_in(rng, i))
         acc = jax.tree.map(jnp.add, acc, loss_scale.unscale(grads_c))
+        fp8_acc = jax.tree.map(jnp.maximum, fp8_acc, fp8_new)  # None without FP8 ops
         stats = stats_of(grads_c)
         if stats is not None:
             stats = stats if stats_acc is None else _combine_stats(stats_acc, stats)
-        return (acc, loss_sum + loss, stats), aux
+        return (acc, loss_sum + loss, stats, fp8_acc), aux
 
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), state.trainable_params())
+    fp8_zeros = jax.tree.map(jnp.zeros_like, fp8)  # scales > 0 and amax >= 0: 0 is the identity of the maximum
     init_stats = None
     if with_stats:  # zero fractions start at 0 (sums), headroom at +inf (minima)
-        shapes = jax.eval_shape(underflow_stats, params_c[0])
+        shapes = jax.eval_shape(underflow_stats, train_c)
         init_stats = {k: jax.tree.map(lambda s, k=k: jnp.full(s.shape, 0.0 if "zero" in k else jnp.inf, s.dtype), v)
                       for k, v in shapes.items()}
-    (acc, loss_sum, stats), aux = jax.lax.scan(
-        body, (zeros, jnp.zeros((), jnp.float32), init_stats),
+    (acc, loss_sum, stats, fp8_new), aux = jax.lax.scan(
+        body, (zeros, jnp.zeros((), jnp.float32), init_stats, fp8_zeros),
         (_split_micro(batch, accum_steps), jnp.arange(accum_steps)))
     if stats is not None:
         stats = {k: (jax.tree.map(lambda v: v / accum_steps, v) if "zero" in k else v) for k, v in stats.items()}
     grads = jax.tree.map(lambda g: g / accum_steps, acc)
-    return _Grads(grads, loss_sum / accum_steps, aux, stats)
+    return _Grads(grads, loss_sum / accum_steps, aux, stats, fp8_new)
 
 
 def _combine_stats(acc: dict, new: dict) -> dict:
@@ -161,7 +199,7 @@ def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries):
 
     def attempt(loss_scale):
         g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, with_stats)
-        return g, _check_grads(g.grads)
+        return g, _check_grads(g.grads, g.fp8)
 
     def can_lower(loss_scale):
         return loss_scale.backoff().loss_scale < loss_scale.loss_scale
@@ -218,6 +256,15 @@ def train_step(
        unchanged (optax's count and any LR schedule do not advance);
     9. adjust the loss scale once (backoff or growth); advance `step` (also on a skipped step).
 
+    FP8 (Flax's `Fp8DirectDotGeneralOp`/`Fp8Einsum`, e.g. `jaxamp.layers.Dense(fp8=True)`): `state.params` is then
+    the model's variables dict and its `"_overwrite_with_gradient"` collection holds per-tensor scales and amax
+    histories whose "gradient" is their new value. That collection is not cast (float32), takes no part in the
+    finite check, `grad_norm`, clipping, weight decay or the optax update, and is never unscaled as a gradient: it is
+    stored loss-scale free (its output-gradient entries are multiplied by the loss scale going in and divided coming
+    out, exact for power-of-2 scales, so the FP8 state does not depend on the scale). Under accumulation the
+    micro-batches' new values combine by element-wise maximum (one history entry per optimizer step, holding the
+    largest amax of the micro-batches). On a skipped step it stays bitwise unchanged, like the params.
+
     Args:
       state: the `TrainState`. Donating it is safe.
       batch: any pytree; passed to `loss_fn` as is (cast float inputs there with `policy.cast_to_compute` if wanted).
@@ -272,9 +319,10 @@ def train_step(
     else:
         loss_scale, retries = state.loss_scale, jnp.zeros((), jnp.int32)
         g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, underflow_stats)
-        check = _check_grads(g.grads)  # the one finite check, and the norm metric, in one pass over the gradients
+        check = _check_grads(g.grads, g.fp8)  # the one finite check and the norm metric, one pass over the gradients
     grads_finite = check.finite
-    train_params, frozen = split_frozen(state.params, state.trainable)
+    regular, fp8 = split_fp8(state.params)
+    train_params, frozen = split_frozen(regular, state.trainable)
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats with i32 counts; all float32 here
         # `value`: the unscaled float32 loss, for transformations that use it (optax.contrib.reduce_on_plateau,
         # optax.polyak_sgd); plain GradientTransformations ignore it (`with_extra_args_support`).
@@ -286,7 +334,10 @@ def train_step(
     old = (train_params, state.opt_state)
     new = jax.tree.map(lambda x, o: x.astype(o.dtype), (new_params, new_opt_state), old)
     train_params, opt_state = select_tree(grads_finite, new, old)
-    params = merge_frozen(train_params, frozen)  # frozen leaves: the very arrays they were
+    # The FP8 scales and histories: the new values on an applied step; on a skipped step the old ones (the step did
+    # not happen; an overflowed step's inf amax would otherwise sit in the history for its whole length).
+    fp8 = select_tree(grads_finite, g.fp8, fp8)
+    params = merge_fp8(merge_frozen(train_params, frozen), fp8)  # frozen leaves: the very arrays they were
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               loss_scale=loss_scale.adjust(grads_finite))
     metrics = {
@@ -318,5 +369,5 @@ def eval_step(state: TrainState, batch: PyTree, loss_fn: LossFn) -> dict:
     Returns:
       `{"loss": f32[]}`, plus `"aux"` when `loss_fn` returns one.
     """
-    loss, aux = _split_loss(loss_fn(state.policy.cast_to_compute(state.params), batch, None))
+    loss, aux = _split_loss(loss_fn(state.compute_params(), batch, None))
     return {"loss": loss} if aux is None else {"loss": loss, "aux": aux}

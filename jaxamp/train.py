@@ -27,14 +27,16 @@ from jaxamp.checkpoint import Checkpointer, CheckpointSaveError, loss_scale_from
 from jaxamp.sharding import (abstract_state, check_distributed_args, distributed_args_from_env, format_mesh_spec,
                              gather_to_host, initialize_distributed, is_main_process, jit_eval_step, jit_train_step,
                              make_global_batch, make_mesh, parse_mesh_spec, shard_state)
-from jaxamp.data import CharDataset, batch_at, eval_batches, load_text
+from jaxamp.corpus import TOKENIZERS, Corpus, decode_sample, load_corpus, sample_prompt, write_bpe_cache
+from jaxamp.data import batch_at, eval_batches
 from jaxamp.grad_stats import nonfinite_paths, worst_leaves
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp.metrics_log import MetricsLogger, read_metrics, scan_metrics, sync_metrics
 from jaxamp.fidelity import grad_fidelity, worst
 from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, count_params, cross_entropy_loss, generate
-from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name
-from jaxamp.state import TrainState
+from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name, uses_fp8
+from jaxamp.presets import MODEL_PRESETS, PRESET_FIELDS
+from jaxamp.state import TrainState, split_fp8
 from jaxamp.step import eval_step, train_step
 
 LOSS_SCALES = ("auto", "dynamic", "static", "none")
@@ -42,7 +44,7 @@ LOSS_SCALES = ("auto", "dynamic", "static", "none")
 RESUME_MATCH_KEYS = ("corpus_sha256", "vocab_size", "precision", "loss_scale", "init_scale", "growth_interval",
                      "layers", "heads", "width", "seq_len", "batch_size", "seed", "dropout", "bias", "lr", "min_lr",
                      "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2", "grad_clip", "accum_steps",
-                     "on_overflow", "max_retries")
+                     "on_overflow", "max_retries", "fp8_amax_history")
 # Of those, the ones that may change together with the precision (fp32 <-> bf16 <-> fp16 on resume): the master
 # weights and optimizer state carry over, the loss scale is made anew for the new precision.
 PRECISION_KEYS = ("precision", "loss_scale", "init_scale", "growth_interval")
@@ -56,15 +58,18 @@ class ConfigError(ValueError):
 class TrainConfig:
     """One training run. Defaults: nanoGPT's shakespeare_char CPU recipe (4 layers, 4 heads, width 128)."""
 
-    data: str | None = None  # UTF-8 text file; None = the Python standard library's sources (no download)
+    data: str | None = None  # UTF-8 text file, or a directory of nanoGPT train.bin/val.bin; None = stdlib sources
+    tokenizer: str = "char"  # char | bpe (byte-level BPE trained on the text, kept in WORKDIR/tokenizer); text only
+    vocab_size: int | None = None  # ids (embedding rows); None = the characters' / meta.pkl's / 50304; bpe: required
     precision: str = "fp32"  # fp32 | bf16 | fp16 | a jmp policy string
     loss_scale: str = "auto"  # auto (dynamic for float16 compute, else none) | dynamic | static | none
     init_scale: float = 2.0**15  # initial (or static) loss scale
     growth_interval: int = 2000  # steps of finite gradients before the dynamic scale grows
-    layers: int = 4  # Transformer blocks
-    heads: int = 4  # attention heads per block
-    width: int = 128  # d_model, channels
-    seq_len: int = 64  # tokens per sequence (context)
+    model: str = "small"  # preset of layers, heads, width, seq_len (jaxamp.presets); explicit values override it
+    layers: int | None = None  # Transformer blocks; None = the preset's
+    heads: int | None = None  # attention heads per block; None = the preset's
+    width: int | None = None  # d_model, channels; None = the preset's
+    seq_len: int | None = None  # tokens per sequence (context); None = the preset's
     batch_size: int = 12  # sequences per step
     steps: int = 2000  # optimizer steps (train_step calls)
     lr: float = 1e-3  # peak learning rate
@@ -87,6 +92,7 @@ class TrainConfig:
     max_retries: int = 4  # retries per step with --on-overflow retry
     underflow_stats: bool = False  # log gradient zero fraction and loss-scale headroom per step
     fidelity_every: int = 0  # steps between gradient-fidelity checks against float32 (0 = off)
+    fp8_amax_history: int = 1024  # steps of amax history per FP8 tensor (--precision fp8)
     max_consecutive_skips: int = 100  # stop (after saving) when this many steps in a row overflow
     keep: int = 3  # checkpoints kept (newest)
     seed: int = 1337
@@ -97,17 +103,30 @@ class TrainConfig:
     num_processes: int | None = None  # processes in all (else JAX_NUM_PROCESSES)
     process_id: int | None = None  # this process, 0 .. num_processes - 1 (else JAX_PROCESS_ID)
 
+    def __post_init__(self) -> None:
+        """Fills the shape fields left None from the `model` preset (an unknown name is left to `validate`)."""
+        preset = MODEL_PRESETS.get(self.model, {})
+        for name in PRESET_FIELDS:
+            if getattr(self, name) is None and name in preset:
+                object.__setattr__(self, name, preset[name])
+
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len * self.accum_steps
 
 
 def validate(cfg: TrainConfig) -> None:
     """Raises ConfigError naming the first bad option and the fix."""
+    if cfg.model not in MODEL_PRESETS:
+        raise ConfigError(f"--model must be one of {', '.join(MODEL_PRESETS)}, got {cfg.model!r}")
+    if cfg.tokenizer not in TOKENIZERS:
+        raise ConfigError(f"--tokenizer must be one of {', '.join(TOKENIZERS)}, got {cfg.tokenizer!r}")
+    if cfg.vocab_size is not None and cfg.vocab_size <= 0:
+        raise ConfigError(f"--vocab-size must be > 0, got {cfg.vocab_size}")
     positive = {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "layers": cfg.layers,
                 "heads": cfg.heads, "width": cfg.width, "eval_every": cfg.eval_every,
                 "eval_batches": cfg.eval_batches, "log_every": cfg.log_every, "growth_interval": cfg.growth_interval,
                 "checkpoint_every": cfg.checkpoint_every, "keep": cfg.keep, "accum_steps": cfg.accum_steps,
-                "max_consecutive_skips": cfg.max_consecutive_skips}
+                "max_consecutive_skips": cfg.max_consecutive_skips, "fp8_amax_history": cfg.fp8_amax_history}
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
@@ -207,13 +226,19 @@ def applied_lr(opt_state) -> jax.Array:
     raise ValueError("optimizer state holds no inject_hyperparams state with a learning_rate")
 
 
+def lm_variables(params) -> dict:
+    """The LM's variables for `model.apply`: the params tree as `{"params": ...}`, or the variables dict itself (an
+    FP8 model keeps `{"params": ..., "_overwrite_with_gradient": ...}` in the state)."""
+    return params if "params" in params else {"params": params}
+
+
 def make_loss_fn(model: TransformerLM):
     """`loss_fn(params, (inputs, targets), rng)`: mean cross-entropy in float32; dropout on when rng is given."""
 
     def loss_fn(params, batch, rng):
         inputs, targets = batch  # i32[batch, seq] each
         rngs = None if rng is None else {"dropout": rng}
-        logits = model.apply({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
+        logits = model.apply(lm_variables(params), inputs, deterministic=rng is None, rngs=rngs)
         return cross_entropy_loss(logits, targets)  # logits f32[batch, seq, vocab]
 
     return loss_fn
@@ -224,7 +249,7 @@ class Run:
     """Everything built from a config: data, model, jitted functions and the initial state."""
 
     cfg: TrainConfig
-    dataset: CharDataset
+    dataset: Corpus
     model: TransformerLM
     state: TrainState
     step_fn: Any
@@ -237,7 +262,7 @@ class Run:
     def run_config(self) -> dict:
         """The config saved with each checkpoint: the options plus what the data and model derive from them."""
         return {**dataclasses.asdict(self.cfg), "corpus_sha256": self.corpus_sha256,
-                "vocab_size": self.dataset.tokenizer.vocab_size}
+                "vocab_size": self.dataset.vocab_size}
 
 
 def build(cfg: TrainConfig) -> Run:
@@ -247,15 +272,17 @@ def build(cfg: TrainConfig) -> Run:
         mesh = None if cfg.mesh is None else make_mesh(cfg.mesh)  # checks the device count before any work
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    text = load_text(cfg.data)
-    dataset = CharDataset.from_text(text, cfg.seq_len)
-    model_cfg = TransformerConfig(vocab_size=dataset.tokenizer.vocab_size, seq_len=cfg.seq_len,
+    dataset = load_corpus(cfg.data, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
+                          bpe_dir=Path(cfg.workdir) / BPE_DIR)
+    policy = make_policy(cfg.precision)
+    model_cfg = TransformerConfig(vocab_size=dataset.vocab_size, seq_len=cfg.seq_len,
                                   num_layers=cfg.layers, num_heads=cfg.heads, width=cfg.width, dropout=cfg.dropout,
-                                  use_bias=cfg.bias)
+                                  use_bias=cfg.bias, fp8=uses_fp8(policy), fp8_amax_history=cfg.fp8_amax_history)
     model = TransformerLM(model_cfg)
     init_key, state_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
-    params = model.init(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
-    state = TrainState.create(params=params, tx=make_optimizer(cfg, params), policy=make_policy(cfg.precision),
+    variables = model.init(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))
+    params = variables if model_cfg.fp8 else variables["params"]  # FP8: scales and histories ride along
+    state = TrainState.create(params=params, tx=make_optimizer(cfg, split_fp8(params)[0]), policy=policy,
                               loss_scale=make_loss_scale(cfg), rng=state_key)
     if mesh is not None:
         state = shard_state(state, mesh)  # every leaf a global array: params/opt_state by the FSDP rule
@@ -268,15 +295,17 @@ def build(cfg: TrainConfig) -> Run:
 
     step_fn = jax.jit(step_with_lr, donate_argnums=0)
     eval_fn = jax.jit(lambda s, b: eval_step(s, b, loss_fn)["loss"])
-    fidelity_fn = jax.jit(lambda s, b: grad_fidelity(s, b, loss_fn, accum_steps=cfg.accum_steps))
+    # FP8: the float32 reference runs the same model without FP8 ops.
+    reference = make_loss_fn(TransformerLM(dataclasses.replace(model_cfg, fp8=False))) if model_cfg.fp8 else None
+    fidelity_fn = jax.jit(lambda s, b: grad_fidelity(s, b, loss_fn, accum_steps=cfg.accum_steps,
+                                                     reference_loss_fn=reference))
     if mesh is not None:  # shardings pinned: a step's output feeds the next one (and a restore) with no recompile
         step_fn = jit_train_step(step_with_lr, mesh)
         eval_fn = jit_eval_step(lambda s, b: eval_step(s, b, loss_fn)["loss"], mesh)
     val = eval_batches(dataset.val, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                       num_batches=cfg.eval_batches, seed=cfg.seed)
+                       num_batches=cfg.eval_batches, seed=cfg.seed, vocab_size=dataset.vocab_size)
     val = [_device_batch(mesh, b) for b in val]
-    return Run(cfg, dataset, model, state, step_fn, eval_fn, val, hashlib.sha256(text.encode()).hexdigest(), mesh,
-               fidelity_fn)
+    return Run(cfg, dataset, model, state, step_fn, eval_fn, val, dataset.sha256, mesh, fidelity_fn)
 
 
 def _device_batch(mesh, batch):
@@ -290,10 +319,12 @@ def _device_batch(mesh, batch):
 def train_batch(run: Run, step: int):
     """The global training batch of step `step`; with a mesh, each process gathers only its own rows."""
     cfg, rows = run.cfg, run.cfg.batch_size * run.cfg.accum_steps  # accum_steps micro-batches, split in the step
+    vocab = run.dataset.vocab_size
     if run.mesh is None:
-        return batch_at(run.dataset.train, seed=cfg.seed, step=step, batch_size=rows, seq_len=cfg.seq_len)
-    return make_global_batch(lambda a, z: batch_at(run.dataset.train, seed=cfg.seed, step=step,
-                                                   batch_size=rows, seq_len=cfg.seq_len, rows=slice(a, z)),
+        return batch_at(run.dataset.train, seed=cfg.seed, step=step, batch_size=rows, seq_len=cfg.seq_len,
+                        vocab_size=vocab)
+    return make_global_batch(lambda a, z: batch_at(run.dataset.train, seed=cfg.seed, step=step, batch_size=rows,
+                                                   seq_len=cfg.seq_len, rows=slice(a, z), vocab_size=vocab),
                              rows, run.mesh)
 
 
@@ -432,11 +463,11 @@ class StopRequest:
 
 
 def _header(run: Run) -> str:
-    cfg, n = run.cfg, count_params(run.state.params)
+    cfg, n = run.cfg, count_params(split_fp8(run.state.params)[0])
     dtype = jnp.dtype(run.state.policy.param_dtype)
-    return (f"jaxamp: {n:,} parameters ({n * dtype.itemsize / 2**20:.1f} MiB {dtype.name} master weights); vocab "
-            f"{run.dataset.tokenizer.vocab_size}; train {len(run.dataset.train):,} / val {len(run.dataset.val):,} "
-            f"tokens; {cfg.tokens_per_step():,} tokens per step; precision "
+    return (f"jaxamp: {n:,} parameters ({n * dtype.itemsize / 2**20:.1f} MiB {dtype.name} master weights); data "
+            f"{run.dataset.description}; vocab {run.dataset.vocab_size}; train {len(run.dataset.train):,} / val "
+            f"{len(run.dataset.val):,} tokens; {cfg.tokens_per_step():,} tokens per step; precision "
             f"{policy_name(run.state.policy, rules=False)}"
             f"{' (auto: ' + auto_precision()[1] + ')' if cfg.precision.strip().lower() == 'auto' else ''}; "
             f"loss scale {type(run.state.loss_scale).__name__}"
@@ -446,30 +477,33 @@ def _header(run: Run) -> str:
 
 def _sample(run: Run, state: TrainState) -> str:
     tok = run.dataset.tokenizer
-    prompt = tok.encode("\n") if "\n" in tok.chars else np.zeros((1,), np.int32)
-    params = state.policy.cast_to_compute(state.params if run.mesh is None else gather_to_host(state.params))
-    ids = generate(run.model, {"params": params}, prompt, run.cfg.sample_tokens, jax.random.PRNGKey(run.cfg.seed))
-    return tok.decode(np.asarray(ids).reshape(-1))
+    host = state if run.mesh is None else state.replace(params=gather_to_host(state.params))
+    ids = generate(run.model, lm_variables(host.compute_params()), sample_prompt(tok), run.cfg.sample_tokens,
+                   jax.random.PRNGKey(run.cfg.seed))
+    return decode_sample(tok, ids)
 
 
 def _summary(run: Run, state: TrainState, records: list[dict], wall_s: float) -> dict:
     cfg = run.cfg
     train_eval = eval_batches(run.dataset.train, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                              num_batches=cfg.eval_batches, seed=cfg.seed)
+                              num_batches=cfg.eval_batches, seed=cfg.seed, vocab_size=run.dataset.vocab_size)
     train_eval = [_device_batch(run.mesh, b) for b in train_eval]
     train_loss = float(np.mean(jax.device_get([run.eval_fn(state, b) for b in train_eval])))
     speeds = [r["tokens_per_s"] for r in records[cfg.log_every:]] or [r["tokens_per_s"] for r in records]
     val = [r["val_loss"] for r in records if "val_loss" in r]
     switches = [{"step": r["step"], "from": r["precision_from"], "to": r["precision"]}
                 for r in records if "precision_from" in r]
+    chars = run.dataset.chars_per_token  # nats/char = nats/token / (chars/token)
     return {"precision": policy_name(state.policy, rules=False), "precision_switches": switches,
             "loss_scale_kind": type(state.loss_scale).__name__,
-            "steps": int(state.step), "val_loss": val[-1] if val else None, "train_loss": train_loss,
+            "steps": int(state.step), "val_loss": val[-1] if val else None,
+            "val_loss_per_char": val[-1] / chars if val and chars else None, "chars_per_token": chars,
+            "vocab_size": run.dataset.vocab_size, "train_loss": train_loss,
             "last_step_loss": records[-1]["loss"] if records else None,
             "skipped_steps": sum(not r["grads_finite"] for r in records),
             "final_loss_scale": float(state.loss_scale.loss_scale),
             "tokens_per_s": float(np.median(speeds)) if speeds else None, "wall_s": wall_s,
-            "params": count_params(state.params), "tokens_per_step": cfg.tokens_per_step()}
+            "params": count_params(split_fp8(state.params)[0]), "tokens_per_step": cfg.tokens_per_step()}
 
 
 def _summary_line(s: dict) -> str:
@@ -480,8 +514,9 @@ def _summary_line(s: dict) -> str:
             f"final_loss_scale={s['final_loss_scale']:g} tokens_per_s={speed} wall_s={s['wall_s']:.1f}")
 
 
+BPE_DIR = "tokenizer"  # WORKDIR/tokenizer: a BPE tokenizer trained by the run and its token files (jaxamp.corpus)
 RUN_ENTRIES = {"metrics.jsonl", "metrics.jsonl.tmp", "summary.json", "tb", "checkpoints", "unusable-checkpoints",
-               "lock"}
+               "lock", BPE_DIR, BPE_DIR + ".tmp"}
 
 
 class _WorkdirLock:
@@ -661,6 +696,11 @@ def _saved_precision_target(run: Run, config: dict, record: dict) -> tuple[Train
       ConfigError: the saved master weights have another dtype than this run's (their optimizer state differs).
     """
     saved = get_policy(record["policy"])
+    if uses_fp8(saved) != uses_fp8(run.state.policy):
+        raise ConfigError(
+            f"the checkpoint in {run.cfg.workdir} was saved with precision {config.get('precision')!r} but this run "
+            f"has --precision {run.cfg.precision}: switching to or from fp8 changes the model's variables (FP8 "
+            "scales and amax histories); resume with the saved precision, or pass a new --workdir")
     old, new = jnp.dtype(saved.param_dtype), jnp.dtype(run.state.policy.param_dtype)
     if old != new:
         raise ConfigError(
@@ -755,6 +795,8 @@ def _train_in_workdir(run: Run, workdir: Path, ckpt: Checkpointer, stop: StopReq
         history = ckpt.metrics(int(state.step)) if ckpt.steps() else []  # the records saved with that checkpoint
         if int(state.step) >= cfg.steps:
             return _finished(run, workdir, state, history)
+        if run.dataset.bpe_cache is not None and is_main_process():  # after the resume checks passed
+            write_bpe_cache(run.dataset.bpe_cache, workdir / BPE_DIR)
         _say(_header(run))
         logger = _open_logger(workdir, int(state.step), history)
         state, stopped_by, wall_s = _train_loop(run, ckpt, logger, state, stop, switched_from)

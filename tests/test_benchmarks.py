@@ -61,13 +61,60 @@ def test_gpu_throughput_tiny(tmp_path):
     assert text in proc.stdout
     assert "device: cpu" in text and "jax " in text
     main_rows, memory_rows = (table_rows(part) for part in text.split("## Memory"))
-    for precision in ("fp32-highest", "fp32", "bf16", "fp16"):
+    for precision in ("fp32-highest", "fp32", "bf16", "fp16", "fp8"):
         cells = main_rows[precision]
         assert number(cells[0]) > 0 and number(cells[2]) > 0, cells  # step ms, tokens/s
         assert cells[3] == "n/a"  # MFU: no peak for a CPU
         mem = memory_rows[precision]
         assert all(number(c) >= 0 for c in mem), mem
         assert number(mem[-1]) > 0
+
+
+def test_gpu_throughput_tiny_on_token_files(tmp_path):
+    """--data DIR times real tokens: the batches of batch_at on its train.bin, with meta.pkl's vocabulary."""
+    import pickle
+
+    import numpy as np
+
+    from conftest import load_script
+    from jaxamp.data import batch_at
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, seed in (("train.bin", 0), ("val.bin", 1)):
+        np.random.default_rng(seed).integers(0, 40, 3000, dtype=np.uint16).tofile(data / name)
+    (data / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 40, "itos": {i: chr(65 + i) for i in range(40)}}))
+    gpu = load_script("benchmarks/gpu_throughput.py")
+    size = gpu._size(gpu.parse_args(["--tiny", "--data", str(data)]))
+    assert (size["vocab"], size["data"]) == (40, str(data))
+    ids = np.fromfile(data / "train.bin", "<u2")
+    for i, (x, y) in enumerate(gpu.data_batches(size, 2)):
+        ref = batch_at(ids, seed=0, step=i, batch_size=size["batch_size"], seq_len=size["seq_len"])
+        assert np.array_equal(x, ref[0]) and np.array_equal(y, ref[1])
+    out = tmp_path / "gpu.md"
+    proc = run_script("benchmarks/gpu_throughput.py", "--tiny", "--steps", "1", "--warmup", "1", "--precisions",
+                      "bf16", "--data", str(data), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert f"real tokens of {data}/train.bin" in text and "vocab 40," in text
+    assert number(table_rows(text.split("## Memory")[0])["bf16"][2]) > 0  # tokens/s
+
+
+def test_memmap_rss_tiny(tmp_path):
+    """Training batches from nanoGPT token files keep the peak resident set flat as train.bin grows 8x; reading the
+    file into memory (the control) grows it by the file's size, so the measurement does see a full read."""
+    out = tmp_path / "rss.md"
+    proc = run_script("benchmarks/memmap_rss.py", "--tiny", "--tmp-dir", str(tmp_path), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert text in proc.stdout and "os.cpu_count()" in text
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| 16 ") or
+            line.startswith("| 128 ")]
+    peak = {(int(r[0]), r[2].strip()): number(r[5]) for r in rows}
+    assert len(peak) == 6, rows
+    assert peak[(128, "np.fromfile")] > 0.9 * 128 and peak[(16, "np.fromfile")] > 0.9 * 16  # the control
+    assert peak[(128, "trainer")] < 16 and abs(peak[(128, "trainer")] - peak[(16, "trainer")]) < 2, peak
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rss.md"]  # the synthetic files are gone
 
 
 def _write_run(run_dir: Path, *, steps: int, skipped_at: int | None, precision: str | None, seed: int) -> None:
@@ -126,12 +173,13 @@ def test_plot_cli_missing_dir(tmp_path):
 
 def test_fidelity_benchmark_tiny(tmp_path, text_corpus):
     out = tmp_path / "fidelity.md"
-    proc = run_script("benchmarks/fidelity.py", "--tiny", "--data", str(text_corpus), "--out", str(out))
+    proc = run_script("benchmarks/fidelity.py", "--tiny", "--precisions", "bf16", "--data", str(text_corpus),
+                      "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line.strip("|").split("|") for line in out.read_text().splitlines()
-             if line.startswith("| bf16") or line.startswith("| fp16")]
-    rows = {(c[0].strip(), c[1].strip(), c[3].strip()): c for c in lines}
-    assert len(rows) == 8
+    lines = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.read_text().splitlines()
+             if line.startswith("| bf16")]
+    rows = {(c[0], c[1], c[3]): c for c in lines}
+    assert len(rows) == 4
     before, after = rows[("bf16", "skewed", "before")], rows[("bf16", "skewed", "after")]
     assert number(before[6]) > 5 * number(after[6])  # the worst leaf: a half-precision sum, then fixed
     assert number(before[7]) > 5 * number(after[7])  # the most frequent token's embedding row
@@ -143,10 +191,29 @@ def test_gpu_check_dry_run(tmp_path):
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(tmp_path)], cwd=REPO,
                           env={**FAST_ENV, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {"env.txt", "tests.log", "gpu_throughput.md", "gpu_throughput.json", "gpu_profile.md"} <= {
-        p.name for p in tmp_path.iterdir()}
+    assert {p.name for p in tmp_path.iterdir()} == {"env.txt", "check.log", "gpu_throughput.md",
+                                                    "gpu_throughput.json", "gpu_paired.md", "gpu_profile.md"}
     assert "backend cpu" in (tmp_path / "env.txt").read_text()
-    assert "4 passed, 2 skipped" in (tmp_path / "tests.log").read_text()  # the cuDNN checks need a GPU
+    # The cuDNN and FP8 GEMM checks need a GPU; the 20-step comparison is left to the GPU run.
+    assert "3 passed, 3 skipped, 1 deselected" in (tmp_path / "check.log").read_text()
     results = json.loads((tmp_path / "gpu_throughput.json").read_text())["results"]
-    assert set(results) == {"fp32-highest", "fp32", "bf16", "fp16"} and all("error" not in r for r in results.values())
+    assert set(results) == {"fp32-highest", "fp32", "bf16", "fp16", "fp8"}
+    assert all("error" not in r for r in results.values())
     assert "## fp16:" in (tmp_path / "gpu_profile.md").read_text()
+    paired = (tmp_path / "gpu_paired.md").read_text()
+    assert "fp16 / bf16 step time: median over rounds" in paired and "| fp16 |" in paired
+
+
+def test_plot_ends_the_loss_scale_at_the_summarys_final_scale(tmp_path):
+    """Records hold the scale each step was computed with; a growth at the last step is in summary.json only."""
+    from jaxamp.plotting import _final_scale, load_run
+
+    _write_run(tmp_path / "run", steps=60, skipped_at=None, precision="fp16", seed=1)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({**summary, "final_loss_scale": 2.0**16}))
+    records = load_run(tmp_path / "run")
+    assert {r["loss_scale"] for r in records} == {2.0**15}
+    assert _final_scale(tmp_path / "run", records) == (60, 2.0**16)
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({**summary, "steps": 30, "final_loss_scale": 2.0}))
+    assert _final_scale(tmp_path / "run", records) is None  # a summary of another step: not plotted
+    assert plot_runs([tmp_path / "run"], tmp_path / "p.png").read_bytes()[:8] == PNG_SIGNATURE

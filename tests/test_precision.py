@@ -30,7 +30,7 @@ def test_policy_passthrough():
     assert get_policy(p) is p
 
 
-@pytest.mark.parametrize("bad", ["fp8", "params=float32,compute=float17", "colour=f16", ""])
+@pytest.mark.parametrize("bad", ["fp7", "params=float32,compute=float17", "colour=f16", ""])
 def test_unknown_policy_lists_accepted(bad):
     with pytest.raises(ValueError) as err:
         get_policy(bad)

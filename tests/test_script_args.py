@@ -18,7 +18,7 @@ def _cases(tmp_path):
         ("benchmarks/scaling.py", ["--steps", "0"], "--steps must be >= 1"),
         ("benchmarks/scaling.py", ["--warmup", "-1"], "--warmup must be >= 0"),
         ("benchmarks/scaling.py", ["--width", "30"], "--heads (4) must divide --width (30)"),
-        ("benchmarks/scaling.py", ["--precision", "fp8"], "--precision: unknown precision policy 'fp8'"),
+        ("benchmarks/scaling.py", ["--precision", "fp7"], "--precision: unknown precision policy 'fp7'"),
         ("benchmarks/scaling.py", ["--out", str(a_dir)], "is a directory"),
         ("benchmarks/nanogpt_compare.py", ["--width", "30"], "--heads (4) must divide --width (30)"),
         ("benchmarks/nanogpt_compare.py", ["--data", str(tmp_path / "missing.txt")], "is not a file"),
@@ -29,6 +29,11 @@ def _cases(tmp_path):
         ("experiments/paper_check.py", ["--loss-scale", "1e40"], "float32's maximum"),
         ("experiments/paper_check.py", ["--out-dir", str(a_file)], "is a file"),
         ("experiments/activation_report.py", ["--out", str(a_dir)], "is a directory"),
+        ("benchmarks/gpu_throughput.py", ["--data", str(a_dir)], "train.bin not found"),
+        ("benchmarks/gpu_throughput.py", ["--model", "gpt3"], "invalid choice: 'gpt3'"),
+        ("benchmarks/memmap_rss.py", ["--sizes-mib", "0"], "--sizes-mib must be >= 1"),
+        ("benchmarks/memmap_rss.py", ["--tmp-dir", str(a_file)], "--tmp-dir"),
+        ("benchmarks/memmap_rss.py", ["--out", str(a_dir)], "is a directory"),
     ]
 
 
@@ -48,3 +53,5 @@ def test_tiny_runs_never_overwrite_committed_tables():
     assert bench.parse_args([]).out == bench.DEFAULT_OUT
     gpu = load_script("benchmarks/gpu_throughput.py")
     assert gpu.parse_args(["--tiny"]).out != gpu.parse_args([]).out
+    rss = load_script("benchmarks/memmap_rss.py")
+    assert rss.parse_args(["--tiny"]).out == str(rss.TINY_OUT) != str(rss.DEFAULT_OUT) == rss.parse_args([]).out

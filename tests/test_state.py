@@ -57,8 +57,8 @@ def test_policy_spec_string_and_bad_policy_params_and_key():
                                                     loss_scale=NoOpLossScale(), rng=jax.random.key(0)), **kw})
     with pytest.raises(ValueError, match="policy must be a jmp.Policy"):
         make(policy=None)
-    with pytest.raises(ValueError, match="fp8"):
-        make(policy="fp8")
+    with pytest.raises(ValueError, match="fp7"):
+        make(policy="fp7")
     with pytest.raises(ValueError, match=r"params\['n'\] is int32: master weights must be float"):
         make(params={**_params(), "n": jnp.arange(3)})
     with pytest.raises(ValueError, match="threefry2x32 PRNG key .* got a rbg key"):
