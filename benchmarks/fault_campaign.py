@@ -64,8 +64,6 @@ Writes `--out` (markdown: the table per kind, then one line per trial) and print
 unless a trial fails (kept under the temporary folder, whose path the report gives).
 """
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import datetime
@@ -142,6 +140,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [k for k in args.kinds if k not in KINDS]
     if unknown or not args.kinds:
         p.error(f"--kinds: unknown {unknown or 'empty list'}; choose among {', '.join(KINDS)}")
+    if args.data is not None and not args.data.is_file():
+        p.error(f"--data {args.data} is not a file; pass a UTF-8 text file, or nothing for the generated corpus")
     check_output(p, "--out", args.out)
     if args.tmp_dir is not None:
         check_output(p, "--tmp-dir", args.tmp_dir, directory=True)
@@ -899,7 +899,11 @@ def _campaign(args: argparse.Namespace, argv: list[str]) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="jaxamp-faults-", dir=args.tmp_dir))
     corpus = args.data.resolve() if args.data else make_corpus(tmp / "corpus.txt")
     c = Campaign(args, tmp, corpus)
-    c.ref = reference(c)
+    try:
+        c.ref = reference(c)
+    except RuntimeError as err:  # the clean run failed or is not reproducible: no trial can be judged
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print(f"clean run: {c.ref.launch_s:.1f} s per launch; {args.trials} trials", flush=True)
     problem = mount_problem(tmp) if any(k in MOUNT_KINDS for k in args.kinds) else None
     rng = random.Random(args.seed)

@@ -22,7 +22,7 @@ from jaxamp import DynamicLossScale, TrainState, get_policy
 from jaxamp.checkpoint import CheckpointSaveError, Checkpointer, _save_reason
 from jaxamp.metrics_log import MetricsLogger, read_metrics
 
-from conftest import number, table_rows
+from conftest import load_script, number, table_rows
 from test_train import REPO, SCRIPT, _quick, _small_corpus, tensorboard_scalars, train_lm
 
 # orbax leaves the coroutines of a failed read behind; collecting them prints "Exception ignored in <coroutine>".
@@ -368,6 +368,18 @@ def test_a_signal_after_the_flush_check_loses_no_record(tmp_path, monkeypatch):
 
 
 # ---- the campaign ----------------------------------------------------------------------------------------------
+
+
+def test_fault_campaign_flags_are_checked_first(tmp_path, capsys):
+    campaign = load_script("benchmarks/fault_campaign.py")
+    cases = [(["--trials", "0"], "--trials must be >= 1"), (["--kinds", "sigkill,bogus"], "unknown ['bogus']"),
+             (["--data", str(tmp_path / "missing.txt")], "is not a file"), (["--out", str(tmp_path)], "is a directory"),
+             (["--width", "30", "--heads", "4"], "--heads (4) must divide --width (30)")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as info:
+            campaign.parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert info.value.code == 2 and ": error: " in err[-1] and message in err[-1], (argv, err)
 
 
 def test_fault_campaign_five_trials(tmp_path):
