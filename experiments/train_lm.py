@@ -11,10 +11,34 @@ Parses flags and delegates to `jaxamp.train.train`; every flag is a field of `ja
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import sys
-from pathlib import Path
+import os
+import signal
+
+INTERRUPTED = (b"error: interrupted by SIGINT outside the training loop (nothing is half-written); run the same "
+               b"command to start or resume\n")
+
+
+def _exit_on_sigint(signum, frame) -> None:
+    """SIGINT outside the training loop (imports, data, model build, workdir checks): exit at once, one line.
+
+    Python's KeyboardInterrupt can land inside an import of a compiled extension (a segfault) or a garbage-collector
+    callback (printed, swallowed, and the run goes on). Nothing has been written yet, so exiting is safe; the loop
+    installs its own handler (finish the step, save, exit 0) while it runs.
+    """
+    del signum, frame
+    os.write(2, INTERRUPTED)
+    os._exit(130)
+
+
+if __name__ == "__main__":  # first thing, before the imports (main() installs it too, for in-process callers)
+    signal.signal(signal.SIGINT, _exit_on_sigint)
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -80,14 +104,34 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    """Runs the CLI; returns the exit status (0; 2 for bad input or a workdir that cannot be written; 3 when
+    training diverged; 130, at once, for SIGINT outside the training loop)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _exit_on_sigint) if main_thread else None
+    previous_format, warnings.formatwarning = warnings.formatwarning, _one_line_warning
+    try:
+        return _run(argv)
+    finally:
+        warnings.formatwarning = previous_format
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings (e.g. a damaged checkpoint step set aside) as one line each, without the source line Python adds."""
+    del category, filename, lineno, line
+    return f"warning: {message}\n"
+
+
+def _run(argv) -> int:
     from jaxamp.checkpoint import CheckpointError
     from jaxamp.data import DataError
-    from jaxamp.train import ConfigError, DivergenceError, train
+    from jaxamp.train import ConfigError, DivergenceError, WorkdirWriteError, train
 
     cfg = parse_args(argv)
     try:
         train(cfg)
-    except (ConfigError, DataError, CheckpointError) as err:
+    except (ConfigError, DataError, CheckpointError, WorkdirWriteError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except DivergenceError as err:

@@ -1,13 +1,16 @@
 """Checkpoints of a `TrainState` with integrity checks, on orbax-checkpoint's `CheckpointManager`.
 
 Layout. One folder per step under `directory`, named by the step number (orbax's default names). Each step holds
-three orbax items, written together by one `CheckpointManager.save`:
+three orbax items, and a fourth when `save` gets `metrics`, written together by one `CheckpointManager.save`:
 
 - `state`: the whole `TrainState` (params, opt_state, loss-scale leaves, step, rng), `ocp.args.StandardSave`;
 - `config`: the run's settings, a JSON dict (`ocp.args.JsonSave`);
 - `integrity`: a JSON record written by this module: per array leaf (keyed by `jax.tree_util.keystr` of its path)
   the sha256 of its bytes, its dtype and shape; the loss scale's type and static hyperparameters
-  (`DynamicLossScale.config()`); the policy name; the pytree structure string; a sha256 of the config JSON.
+  (`DynamicLossScale.config()`); the policy name; the pytree structure string; a sha256 of the config JSON (and
+  of the metrics list); `record_sha256`, the digest of the record itself, so a damaged record makes the step
+  unusable instead of reading as a settings mismatch (format 2; format-1 records, without it, are still read);
+- `metrics` (optional): a JSON list, e.g. the training log's records up to this step (`Checkpointer.metrics(step)`).
 
 Integrity design. orbax has no checksums: a flipped bit in a data file restores silently with wrong values (a
 flip inside a compressed chunk may also surface as a decode error). So `restore` recomputes the sha256 of every
@@ -39,17 +42,34 @@ orbax pitfalls handled here (orbax-checkpoint 0.12.8):
 - `best_fn` with `max_to_keep` can delete the newest step; only `max_to_keep` is used.
 - A failed orbax read leaves suspended coroutines behind that print "Exception ignored in <coroutine ...>" when
   garbage-collected; `restore` collects them (and the partly read buffers) before trying the previous step.
-- orbax logs two absl warnings per read-only manager ("Given directory is read only"); they are harmless.
+- orbax logs two absl warnings per read-only manager ("Given directory is read only"), one per step folder
+  without its metadata file (an old step whose deletion a kill cut short), and one per save that waited over a
+  second for the previous one; they are dropped (see below), and `save` warns once about slow saves instead.
+- When a save fails (e.g. the disk fills), orbax logs the error with a traceback from each of its threads, asyncio
+  reports its failed tasks, and tensorstore's callbacks print "RuntimeError: Event loop is closed" for every write
+  still pending (hundreds of lines for one failure); a failed read leaves a suspended coroutine per array that
+  prints its traceback when collected. The first `Checkpointer` of a process installs a logging filter (loggers
+  `absl` and `asyncio`: orbax's error records only) and an unraisable-exception hook (that RuntimeError and
+  orbax's coroutines only) that keep them off stderr: the failure reaches the caller once, a failed save as a
+  `CheckpointSaveError` naming the step and the operating-system error, a failed read as `restore`'s warning or
+  error. After a failed save, asyncio's "Future exception was never retrieved" and the "coroutine ... was never
+  awaited" RuntimeWarning (orbax's leftovers, collected at exit) are dropped too. `JAXAMP_ORBAX_LOGS=1` keeps
+  them all.
+- A save whose step folder is missing after orbax reports success raises `CheckpointSaveError` too.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno as errno_codes
 import gc
 import hashlib
 import json
+import logging
 import os
 import re
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -63,15 +83,17 @@ from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, Static
 from jaxamp.precision import policy_name
 from jaxamp.state import TrainState
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "Checkpointer"]
+__all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointSaveError", "Checkpointer"]
 
-_FORMAT = 1
-_ITEMS = ("state", "config", "integrity")
+_FORMAT = 2  # 2 adds record_sha256, the record's own digest; format-1 records are still read
+_READABLE_FORMATS = (1, 2)
+_ITEMS = ("state", "config", "integrity", "metrics")
 _STEP_RE = re.compile(r"^\d+$")
 _TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp.*$")
 _ORBAX_ROOT_ENTRIES = frozenset({"metadata"})  # orbax's root metadata folder (written only with custom metadata)
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
 _MAX_REASON = 400
+_clock = time.monotonic  # how long a save waited for the previous one (a test replaces it)
 
 
 class CheckpointError(Exception):
@@ -86,6 +108,19 @@ class CheckpointMismatchError(CheckpointError):
 
     The message names the field and both values. Raised at once: an older step is not tried instead.
     """
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed or did not commit; the steps already on disk are untouched.
+
+    Attributes:
+      step: the step whose save failed (None when unknown).
+      errno: the operating-system error behind it (e.g. `errno.ENOSPC`), or None.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, errno: int | None = None):
+        super().__init__(message)
+        self.step, self.errno = step, errno
 
 
 class _Unusable(Exception):
@@ -197,7 +232,7 @@ def _config_digest(config) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
 
 
-def _integrity_record(state: TrainState, config: dict, checksums: bool) -> dict:
+def _integrity_record(state: TrainState, config: dict, checksums: bool, metrics: list | None = None) -> dict:
     """Builds the JSON integrity record of `state` (see the module docstring). Copies every leaf to the host."""
     flat, _ = jax.tree_util.tree_flatten_with_path(state)
     leaves: dict[str, dict] = {}
@@ -234,7 +269,21 @@ def _integrity_record(state: TrainState, config: dict, checksums: bool) -> dict:
         "policy": policy_name(state.policy),
         "structure": _structure_string(state),
         "config_sha256": _config_digest(config),
+        **({} if metrics is None else {"metrics_sha256": _config_digest(metrics)}),
     }
+
+
+def _sealed(record: dict) -> dict:
+    """The record with `record_sha256`, the digest of everything else in it: a damaged record reads as unusable,
+    never as a settings mismatch."""
+    return {**record, "record_sha256": _config_digest(record)}
+
+
+def _seal_intact(record: dict) -> bool:
+    if record.get("format") == 1:
+        return True  # written before records were sealed
+    rest = {k: v for k, v in record.items() if k != "record_sha256"}
+    return record.get("record_sha256") == _config_digest(rest)
 
 
 def _json_normal(value):
@@ -257,6 +306,127 @@ def _short(err: BaseException) -> str:
     text = " ".join(f"{type(err).__name__}: {err}".split())
     text = text.split(" See full TensorStore details")[0]
     return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
+
+
+_OS_ERROR_RE = re.compile(r"\[os_error_code='?(\d+)'?\]|\[Errno (\d+)\]")
+
+
+def _os_errno(err: BaseException) -> int | None:
+    """The operating-system error behind `err` (its own errno, one in its cause chain, or tensorstore's
+    `[os_error_code=N]` in a message), or None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno:
+            return err.errno
+        match = _OS_ERROR_RE.search(str(err))
+        if match:
+            return int(match.group(1) or match.group(2))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _save_reason(err: BaseException) -> tuple[str, int | None]:
+    """One line for a failed save: the OS error's text when there is one (e.g. "No space left on device", which
+    tensorstore's messages bury after two file paths), else `_short(err)`."""
+    code = _os_errno(err)
+    if code is None:
+        return _short(err), None
+    name = errno_codes.errorcode.get(code, str(code))
+    return f"{os.strerror(code)} ({name})", code
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# orbax's and tensorstore's reports of failures in their background threads.
+
+_VERBOSE_ENV = "JAXAMP_ORBAX_LOGS"  # "1": leave orbax's and tensorstore's failure reports on stderr
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (ocp, ts))
+
+
+def _mentions_library(record: logging.LogRecord) -> bool:
+    if record.pathname.startswith(_LIBRARY_DIRS) or any(d in record.getMessage() for d in _LIBRARY_DIRS):
+        return True
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _LibraryFailureFilter(logging.Filter):
+    """Drops error records that orbax logs from its threads when a save or read fails (each with a traceback, and
+    one per thread), and asyncio's "Task exception was never retrieved" reports of orbax's failed tasks. The
+    failure itself reaches the caller as a CheckpointError; these would only repeat it, hundreds of lines long.
+    Also drops the two warnings orbax logs for every read-only manager (one per restore), which say nothing, and
+    the one it logs, per manager, for each step folder without its metadata file (an old step whose deletion was
+    cut short: restores never reach it; a damaged newest step is reported by `restore` itself), and its note, at
+    every save, that waiting for the previous one took over a second (`save` says so once)."""
+
+    _HARMLESS = ("Given directory is read only", "CheckpointManagerOptions.read_only=True",
+                 "Metadata file does not exist", "Waiting for previous save to complete took")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            debris = _SAVE_FAILED and record.name == "asyncio" and "exception was never retrieved" in str(record.msg)
+            return not (debris or _mentions_library(record))
+        return not (record.pathname.startswith(_LIBRARY_DIRS) and str(record.msg).startswith(self._HARMLESS))
+
+
+_FAILURE_FILTER = _LibraryFailureFilter()
+_SAVE_FAILED = False  # set by the first failed save of the process: see _after_failed_save
+
+
+def _after_failed_save() -> None:
+    """A failed save leaves orbax's futures and coroutines behind; collected later (often at exit, after the error
+    line), they report "Future exception was never retrieved" (asyncio's logger, with no trace of orbax in the
+    record) and "coroutine '...write_fragment' was never awaited" (a RuntimeWarning). The save's failure was raised
+    already: from now on both are dropped, for the process."""
+    global _SAVE_FAILED
+    if os.environ.get(_VERBOSE_ENV) == "1":
+        return
+    _SAVE_FAILED = True
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
+
+
+def _closed_loop_wakeup(unraisable) -> bool:
+    """tensorstore's callbacks waking an asyncio loop that orbax already closed after a failure."""
+    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+        return False
+    tb = unraisable.exc_traceback
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _abandoned_library_coroutine(unraisable) -> bool:
+    """A coroutine of a failed orbax read, left suspended and collected later ("Exception ignored in: <coroutine
+    object _read_array_index_and_device_put ...>" and its traceback, one per array): the failure was reported."""
+    code = getattr(unraisable.object, "cr_code", None)
+    return code is not None and code.co_filename.startswith(_LIBRARY_DIRS)
+
+
+def _quiet_library_failures() -> None:
+    """Keeps orbax's and tensorstore's failure reports from background threads off stderr, for the process
+    (idempotent). Set JAXAMP_ORBAX_LOGS=1 to see them."""
+    if os.environ.get(_VERBOSE_ENV) == "1":
+        return
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if _FAILURE_FILTER not in logger.filters:
+            logger.addFilter(_FAILURE_FILTER)
+    if getattr(sys.unraisablehook, "_jaxamp_quiet", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (_closed_loop_wakeup(unraisable) or _abandoned_library_coroutine(unraisable)):
+            previous(unraisable)
+
+    hook._jaxamp_quiet = True
+    sys.unraisablehook = hook
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -287,6 +457,9 @@ class Checkpointer:
         self._async = bool(async_save)
         self._checksums = bool(checksums)
         self._manager: ocp.CheckpointManager | None = None  # the writer, created at the first save
+        self._pending: int | None = None  # the step of a save started and not yet waited for
+        self._slow_noted = False  # warned once that saves wait for each other
+        _quiet_library_failures()
         self._check_directory()
 
     @property
@@ -349,8 +522,8 @@ class Checkpointer:
             self._manager = ocp.CheckpointManager(self._dir, options=options, item_names=_ITEMS)
         return self._manager
 
-    def save(self, state: TrainState, config: dict, *, force: bool = False) -> bool:
-        """Starts saving `state` and `config` as step `int(state.step)`.
+    def save(self, state: TrainState, config: dict, *, force: bool = False, metrics: list | None = None) -> bool:
+        """Starts saving `state` and `config` (and `metrics`) as step `int(state.step)`.
 
         The arrays are copied to the host and hashed before this returns (that part is synchronous, and its cost
         grows with the state's size); writing happens in the background when `async_save`. A previous pending
@@ -360,6 +533,8 @@ class Checkpointer:
           state: the `TrainState` to save.
           config: the run's settings, a JSON-serializable dict (restored with the state; `restore` compares keys).
           force: passed to orbax: save even if its save-interval policy would skip this step.
+          metrics: optional JSON-serializable list, e.g. the run's log records up to this step, saved as a fourth
+            item with its sha256 in the integrity record (read back, verified, with `metrics(step)`).
 
         Returns:
           True if a save started; False if this step is already on disk (it is never overwritten).
@@ -368,7 +543,7 @@ class Checkpointer:
         workdir) collide in orbax's temporary folders.
 
         Raises:
-          ValueError: `config` is not a JSON-serializable dict.
+          ValueError: `config` is not a JSON-serializable dict, or `metrics` not a JSON-serializable list.
           CheckpointError: the directory holds non-checkpoint entries, or a step folder newer than this step
             (orbax would silently refuse every save; remove the newer folders or use another directory); a previous
             background save failed; orbax failed to start this save (the cause is chained).
@@ -379,10 +554,19 @@ class Checkpointer:
             json.dumps(config)
         except (TypeError, ValueError) as err:
             raise ValueError(f"config must be JSON-serializable: {err}") from None
+        if metrics is not None:
+            try:
+                if not isinstance(metrics, list):
+                    raise TypeError(f"got {type(metrics).__name__}")
+                json.dumps(metrics)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"metrics must be a JSON-serializable list: {err}") from None
         label = int(jax.device_get(state.step))
         self._check_directory()
         manager = self._writer()
+        waited = _clock()
         self.wait()  # a pending save may still be creating its folder; its failure surfaces here
+        self._note_slow_saves(label, _clock() - waited)
         on_disk = self.steps()
         if label in on_disk:
             return False
@@ -392,36 +576,72 @@ class Checkpointer:
                 f"cannot save step {label} in {self._dir}: it holds newer step folders {newer} (orbax saves only "
                 f"steps newer than the newest folder); remove them or use another directory")
         manager.reload()  # orbax caches its step list; steps removed by hand must not block this save
-        integrity = _integrity_record(state, config, self._checksums)
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            config=ocp.args.JsonSave(config),
-            integrity=ocp.args.JsonSave(integrity),
-        )
+        integrity = _sealed(_integrity_record(state, config, self._checksums, metrics))
+        items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config),
+                 "integrity": ocp.args.JsonSave(integrity)}
+        if metrics is not None:
+            items["metrics"] = ocp.args.JsonSave(metrics)
+        args = ocp.args.Composite(**items)
         try:
-            return bool(manager.save(label, args=args, force=force))
+            started = bool(manager.save(label, args=args, force=force))
         except Exception as err:  # noqa: BLE001 - orbax raises OSError, ValueError, RuntimeError, ...
-            raise CheckpointError(f"saving step {label} to {self._dir} failed: {_short(err)} (one Checkpointer, in "
-                                  "one process or one multi-process run, may write a directory)") from err
+            _after_failed_save()
+            reason, code = _save_reason(err)
+            collision = code in (None, errno_codes.EEXIST, errno_codes.ENOENT)
+            raise CheckpointSaveError(
+                f"saving step {label} to {self._dir} failed: {reason}" + (
+                    " (one Checkpointer, in one process or one multi-process run, may write a directory)"
+                    if collision else ""), step=label, errno=code) from err
+        if started:
+            self._pending = label
+        return started
+
+    def _note_slow_saves(self, label: int, waited: float) -> None:
+        """Warns once per Checkpointer when a save had to wait over a second for the previous one."""
+        if waited > 1.0 and not self._slow_noted:
+            self._slow_noted = True
+            warnings.warn(f"saving step {label} waited {waited:.1f} s for the previous save to finish: saves take "
+                          "longer than the steps between them (a larger checkpoint interval avoids the stall)",
+                          stacklevel=3)
 
     def wait(self) -> None:
         """Blocks until pending saves are complete (written, committed and old steps deleted).
 
         Raises:
-          CheckpointError: a background save failed (the cause is chained).
+          CheckpointSaveError: a background save failed (the cause is chained; `errno` names an operating-system
+            error such as ENOSPC), or its step folder is missing afterwards. The failure is reported once: the
+            writer is dropped, so a later `wait` or `close` does not raise it again (a later `save` starts a new
+            one).
         """
         if self._manager is None:
             return
+        pending, self._pending = self._pending, None
+        step = "a step" if pending is None else f"step {pending}"
         try:
             self._manager.wait_until_finished()
         except Exception as err:  # noqa: BLE001 - orbax re-raises whatever the background thread raised
-            raise CheckpointError(f"saving to {self._dir} failed: {_short(err)}") from err
+            _after_failed_save()
+            reason, code = _save_reason(err)
+            self._drop_writer()
+            raise CheckpointSaveError(f"saving {step} to {self._dir} failed: {reason}", step=pending,
+                                      errno=code) from err
+        if pending is not None and pending not in self.steps():
+            raise CheckpointSaveError(f"saving {step} to {self._dir} left no step folder {pending} (deleted "
+                                      "meanwhile, or orbax failed without raising)", step=pending)
+
+    def _drop_writer(self) -> None:
+        """Closes the writer after a failed save; orbax's close re-raises that failure, already reported."""
+        manager, self._manager = self._manager, None
+        try:
+            manager.close()
+        except Exception:  # noqa: BLE001 - pylint: disable=broad-except
+            pass
 
     def close(self) -> None:
         """Waits for pending saves, then releases orbax's resources. The object can still save afterwards.
 
         Raises:
-          CheckpointError: a background save failed.
+          CheckpointSaveError: a background save failed.
         """
         try:
             self.wait()
@@ -554,7 +774,7 @@ class Checkpointer:
         # One fresh read-only manager per attempt: after a failed restore orbax's manager refuses good steps too.
         manager = self._reader()
         try:
-            # 1. The JSON items only: config and integrity record.
+            # 1. The JSON items only: config, integrity record (and the metrics copy when the record lists one).
             config, record = self._read_meta(manager, n)
             # 2. Settings and structure: a mismatch means the user changed settings, so it is raised, not skipped.
             self._check_match(n, config, record, target, expected_config, match_keys)
@@ -571,18 +791,25 @@ class Checkpointer:
         return state, config
 
     @staticmethod
-    def _read_meta(manager, n: int) -> tuple[dict, dict]:
-        """Step `n`'s config and integrity record (no array is read); raises `_Unusable`."""
+    def _read_meta(manager, n: int, *, with_metrics: bool = True) -> tuple[dict, dict]:
+        """Step `n`'s config and integrity record, both verified (no array is read); with `with_metrics`, the
+        metrics copy too, when the record lists one (a damaged copy makes the step unusable, as any other damaged
+        file does). Raises `_Unusable`."""
         try:
             meta = manager.restore(n, args=ocp.args.Composite(
                 config=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore()))
             config, record = meta.config, meta.integrity
         except Exception as err:  # noqa: BLE001 - orbax raises anything from KeyError to bare Exception
             raise _Unusable(f"cannot read its config/integrity record: {_short(err)}") from None
-        if not isinstance(config, dict) or not isinstance(record, dict) or record.get("format") != _FORMAT:
+        if (not isinstance(config, dict) or not isinstance(record, dict)
+                or record.get("format") not in _READABLE_FORMATS):
             raise _Unusable("config or integrity record is missing or not in the expected format")
+        if not _seal_intact(record):
+            raise _Unusable("integrity record does not match its sha256")
         if record.get("config_sha256") != _config_digest(config):
             raise _Unusable("config JSON does not match its sha256")
+        if with_metrics and "metrics_sha256" in record:
+            Checkpointer._read_metrics_item(manager, n, record)
         return config, record
 
     def read_settings(self, step: int | None = None) -> tuple[dict, dict] | None:
@@ -595,9 +822,36 @@ class Checkpointer:
         self.wait()
         manager = self._reader()
         try:
-            return self._read_meta(manager, step)
+            return self._read_meta(manager, step, with_metrics=False)
         except _Unusable:
             return None
+        finally:
+            manager.close()
+
+    @staticmethod
+    def _read_metrics_item(manager, n: int, record: dict) -> list:
+        try:
+            metrics = manager.restore(n, args=ocp.args.Composite(metrics=ocp.args.JsonRestore())).metrics
+        except Exception as err:  # noqa: BLE001
+            raise _Unusable(f"cannot read its metrics copy: {_short(err)}") from None
+        if not isinstance(metrics, list) or _config_digest(metrics) != record["metrics_sha256"]:
+            raise _Unusable("metrics copy does not match its sha256")
+        return metrics
+
+    def metrics(self, step: int) -> list | None:
+        """The `metrics` list saved with step `step` (verified against its sha256), or None when it holds none.
+
+        Raises:
+          CheckpointError: the step is not on disk, or its record or metrics copy is unreadable or damaged.
+        """
+        if int(step) not in self.steps():
+            raise CheckpointError(f"no checkpoint step {step} in {self._dir}; steps on disk: {self.steps()}")
+        manager = self._reader()
+        try:
+            _, record = self._read_meta(manager, int(step), with_metrics=False)
+            return self._read_metrics_item(manager, int(step), record) if "metrics_sha256" in record else None
+        except _Unusable as err:
+            raise CheckpointError(f"checkpoint step {step} in {self._dir} is unusable ({err})") from None
         finally:
             manager.close()
 

@@ -7,6 +7,8 @@ Side effects (printing, files) live here and in the checkpoint code only. `train
 from __future__ import annotations
 
 import dataclasses
+import errno
+import hashlib
 import json
 import math
 import os
@@ -21,7 +23,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from jaxamp.checkpoint import Checkpointer, loss_scale_from_record
+from jaxamp.checkpoint import Checkpointer, CheckpointSaveError, loss_scale_from_record
 from jaxamp.sharding import (abstract_state, check_distributed_args, distributed_args_from_env, format_mesh_spec,
                              gather_to_host, initialize_distributed, is_main_process, jit_eval_step, jit_train_step,
                              make_global_batch, make_mesh, parse_mesh_spec, shard_state)
@@ -29,7 +31,7 @@ from jaxamp.corpus import TOKENIZERS, Corpus, decode_sample, load_corpus, sample
 from jaxamp.data import batch_at, eval_batches
 from jaxamp.grad_stats import nonfinite_paths, worst_leaves
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from jaxamp.metrics_log import MetricsLogger, read_metrics
+from jaxamp.metrics_log import MetricsLogger, read_metrics, scan_metrics, sync_metrics
 from jaxamp.fidelity import grad_fidelity, worst
 from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, count_params, cross_entropy_loss, generate
 from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name, uses_fp8
@@ -403,12 +405,16 @@ class DivergenceGuard:
 
 
 class _NullLogger:
-    """The metrics logger of processes other than 0: they compute the same records and write nothing."""
+    """The metrics logger of processes other than 0: they compute the same records, keep them (each checkpoint
+    saves a copy; only process 0's is written) and write no file."""
 
     skipped = 0
 
+    def __init__(self, history: list[dict] | None = None):
+        self.records = list(history or [])
+
     def write(self, records: list[dict]) -> None:
-        del records
+        self.records.extend(records)
 
     def close(self) -> None:
         pass
@@ -585,16 +591,16 @@ def _open_workdir(cfg: TrainConfig) -> tuple[Path, Checkpointer, _WorkdirLock]:
 
 def _check_resumable(workdir: Path, cfg: TrainConfig, ckpt: Checkpointer) -> None:
     """Refuses a workdir whose checkpoints were removed; a run killed before its first save starts over."""
+    if ckpt.steps():
+        return  # metrics.jsonl is rewritten from the copy saved with the checkpoint: damage in it is repaired
     try:
-        records = read_metrics(workdir / "metrics.jsonl", strict=True)
+        records, _ = scan_metrics(workdir / "metrics.jsonl")  # past damaged lines; another program's file raises
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if ckpt.steps():
-        return
     # No checkpoint: a run killed before its first save committed (none begun yet, or one still being written when
     # it died) starts over: its records are recomputed, bitwise, from the same seed. Records past a save that
     # should have committed, or a finished run's summary, mean checkpoints were removed.
-    last, cut = (records[-1]["step"] if records else 0), ckpt.interrupted_saves()
+    last, cut = max((r["step"] for r in records), default=0), ckpt.interrupted_saves()
     # The first save is at step checkpoint_every (or earlier: at the end or on a signal); the loop runs on while it
     # is written, but the next save waits for it, so its records stop at 2 * checkpoint_every.
     first_save_cut = bool(cut) and max(cut) <= cfg.checkpoint_every and last <= 2 * cfg.checkpoint_every
@@ -603,20 +609,54 @@ def _check_resumable(workdir: Path, cfg: TrainConfig, ckpt: Checkpointer) -> Non
                           "to resume from; pass a new directory, or delete this one to start over")
 
 
-def _finished_summary(workdir: Path, cfg: TrainConfig, step: int) -> dict | None:
-    """A finished run's saved summary when the checkpoint is already at `--steps` or beyond (nothing is rewritten)."""
-    path = workdir / "summary.json"
-    if step < cfg.steps or not path.exists():
-        return None
+SUMMARY_DIGEST = "sha256"  # summary.json's digest of its other fields, to tell a damaged file
+
+
+def _sealed_summary(summary: dict) -> dict:
+    body = {k: v for k, v in summary.items() if k != SUMMARY_DIGEST}
+    return {**body, SUMMARY_DIGEST: hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()}
+
+
+def _read_summary(path: Path) -> tuple[dict | None, str]:
+    """summary.json if it is intact, else None and why (missing, not JSON, or not matching its digest)."""
+    if not path.exists():
+        return None, "missing"
     try:
         summary = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None  # a damaged summary: rewritten by the (empty) training loop
-    if not isinstance(summary, dict) or summary.get("steps") != step:
-        return None  # written before the last checkpoint (killed in between): rewritten likewise
-    _say(f"{workdir} already holds step {step} (--steps {cfg.steps}): nothing to train; raise --steps to continue")
+        return None, "damaged (not JSON)"
+    if not isinstance(summary, dict):
+        return None, "damaged (not a JSON object)"
+    if SUMMARY_DIGEST in summary and _sealed_summary(summary) != summary:
+        return None, "damaged (it does not match its sha256)"
+    return summary, ""
+
+
+def _write_summary(workdir: Path, summary: dict) -> None:
+    if is_main_process():
+        (workdir / "summary.json").write_text(json.dumps(_sealed_summary(summary), indent=2) + "\n")
+
+
+def _finished(run: Run, workdir: Path, state: TrainState, history: list[dict] | None) -> dict:
+    """A run already at `--steps` or beyond: nothing is trained. Its metrics.jsonl (from the checkpoint's copy) and
+    summary.json (from the state and the records) are checked and repaired; an intact run is left as it is."""
+    step = int(state.step)
+    path = workdir / "metrics.jsonl"
+    if history is not None and is_main_process():
+        line = sync_metrics(path, [r for r in history if r["step"] <= step])
+        if line is not None:
+            _say(f"warning: {path} differed from the copy saved with checkpoint step {step} from line {line} on; "
+                 "rewritten from it")
+    summary, why = _read_summary(workdir / "summary.json")
+    if summary is None or summary.get("steps") != step:
+        why = why or f"written before step {step} (stopped in between)"
+        summary = {**_summary(run, state, read_metrics(path), 0.0), "stopped_by": None}
+        _write_summary(workdir, summary)
+        _say(f"warning: {workdir / 'summary.json'} was {why}; rewritten from checkpoint step {step} and the metrics")
+    _say(f"{workdir} already holds step {step} (--steps {run.cfg.steps}): nothing to train; raise --steps to "
+         "continue")
     _say(_summary_line(summary))
-    return summary
+    return {k: v for k, v in summary.items() if k != SUMMARY_DIGEST}
 
 
 def _resume(run: Run, ckpt: Checkpointer) -> tuple[TrainState, str | None]:
@@ -698,7 +738,8 @@ class _Loop:
         return new
 
     def save(self, state: TrainState, *, force: bool = False) -> None:
-        self.ckpt.save(state, self.run.run_config(), force=force)
+        """Saves `state` with the run's config and a copy of the records so far (all flushed: steps <= state's)."""
+        self.ckpt.save(state, self.run.run_config(), force=force, metrics=list(self.logger.records))
 
     def step(self, state: TrainState, step: int) -> TrainState:
         """Runs step `step` (== state.step, mirrored on the host so the loop never waits on the device)."""
@@ -718,7 +759,9 @@ def train(cfg: TrainConfig) -> dict:
     finishes the current step, saves, and returns (summary["stopped_by"] names the signal).
 
     Raises:
-      ConfigError: a bad option. DataError: a bad corpus. CheckpointError: an unusable or mismatched checkpoint.
+      ConfigError: a bad option. DataError: a bad corpus. CheckpointError: an unusable or mismatched checkpoint
+        (CheckpointSaveError: a save failed, e.g. the disk is full; the message says how to resume).
+      WorkdirWriteError: metrics, events or the summary could not be written (the message says how to resume).
     """
     _validate_scale_out(cfg)  # no JAX call (validate's --precision auto asks for the devices)
     try:  # before any other JAX call
@@ -731,30 +774,80 @@ def train(cfg: TrainConfig) -> dict:
     # finished run complete and exit 0.
     with lock, StopRequest() as stop:
         try:
-            state, switched_from = _resume(run, ckpt)
-            finished = _finished_summary(workdir, cfg, int(state.step))
-            if finished is not None:
-                return finished
-            if run.dataset.bpe_cache is not None and is_main_process():  # after the resume checks passed
-                write_bpe_cache(run.dataset.bpe_cache, workdir / BPE_DIR)
-            _say(_header(run))
-            logger = MetricsLogger(workdir, resume_step=int(state.step)) if is_main_process() else _NullLogger()
-            state, stopped_by, wall_s = _train_loop(run, ckpt, logger, state, stop, switched_from)
-            logger.close()
-            ckpt.wait()
-        finally:
-            ckpt.close()
-        summary = _summary(run, state, read_metrics(workdir / "metrics.jsonl"), wall_s)
-        summary["stopped_by"] = stopped_by
-        if is_main_process():
-            (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if stopped_by:
-            _say(f"stopped by {stopped_by} after step {int(state.step)}; checkpoint saved; run the same command to "
-                 "resume")
-        elif cfg.sample_tokens > 0:
-            _say("sample:\n" + _sample(run, state))
-        _say(_summary_line(summary))
+            return _train_in_workdir(run, workdir, ckpt, stop)
+        except CheckpointSaveError as err:
+            raise CheckpointSaveError(f"{err}; {_resume_advice(err.errno, ckpt)}", step=err.step,
+                                      errno=err.errno) from err
+        except OSError as err:
+            if err.errno not in STORAGE_ERRNOS:
+                raise
+            name = f" ({Path(err.filename).name})" if err.filename else ""
+            raise WorkdirWriteError(f"cannot write in --workdir {workdir}{name}: {err.strerror} "
+                                    f"({errno.errorcode.get(err.errno, err.errno)}); "
+                                    f"{_resume_advice(err.errno, ckpt)}") from err
+
+
+def _train_in_workdir(run: Run, workdir: Path, ckpt: Checkpointer, stop: StopRequest) -> dict:
+    """Resumes (or starts), trains, saves and writes the summary; the workdir is locked and signals are held."""
+    cfg = run.cfg
+    try:
+        state, switched_from = _resume(run, ckpt)
+        history = ckpt.metrics(int(state.step)) if ckpt.steps() else []  # the records saved with that checkpoint
+        if int(state.step) >= cfg.steps:
+            return _finished(run, workdir, state, history)
+        if run.dataset.bpe_cache is not None and is_main_process():  # after the resume checks passed
+            write_bpe_cache(run.dataset.bpe_cache, workdir / BPE_DIR)
+        _say(_header(run))
+        logger = _open_logger(workdir, int(state.step), history)
+        state, stopped_by, wall_s = _train_loop(run, ckpt, logger, state, stop, switched_from)
+        logger.close()
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    summary = _summary(run, state, read_metrics(workdir / "metrics.jsonl"), wall_s)
+    summary["stopped_by"] = stopped_by
+    _write_summary(workdir, summary)
+    if stopped_by:
+        _say(f"stopped by {stopped_by} after step {int(state.step)}; checkpoint saved; run the same command to "
+             "resume")
+    elif cfg.sample_tokens > 0:
+        _say("sample:\n" + _sample(run, state))
+    _say(_summary_line(summary))
     return summary
+
+
+def _open_logger(workdir: Path, step: int, history: list[dict] | None):
+    """Process 0's metrics logger, metrics.jsonl made to begin with the checkpoint's copy of the records (repaired
+    if it differs, with a warning); the other processes' in-memory one."""
+    if not is_main_process():
+        return _NullLogger(history)
+    try:
+        logger = MetricsLogger(workdir, resume_step=step, history=history)
+    except ValueError as err:  # no copy in the checkpoint (saved by an older jaxamp) and a damaged record
+        raise ConfigError(str(err)) from None
+    if logger.repaired_line is not None:
+        _say(f"warning: {logger.path} differed from the copy saved with checkpoint step {step} from line "
+             f"{logger.repaired_line} on; rewritten from it")
+    return logger
+
+
+# Operating-system errors of a workdir that cannot take more writes: the run stops with one line saying what to do.
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
+
+
+class WorkdirWriteError(RuntimeError):
+    """Writing a run's files (metrics, TensorBoard events, summary) failed: disk full, read-only, no permission."""
+
+
+def _resume_advice(code: int | None, ckpt: Checkpointer) -> str:
+    """What to do after a failed write: the fix for the OS error, and where the same command will resume."""
+    fix = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space (disk quota)",
+           errno.EFBIG: "raise the file-size limit (ulimit -f)", errno.EROFS: "make the workdir writable",
+           errno.EACCES: "make the workdir writable", errno.EPERM: "make the workdir writable"}.get(code,
+                                                                                                 "fix the cause")
+    steps = ckpt.steps()
+    where = f"resume from step {steps[-1]}" if steps else "start over (no checkpoint was committed)"
+    return f"{fix}, then run the same command to {where}"
 
 
 def _report_skips(bar, records: list[dict]) -> None:
@@ -805,6 +898,8 @@ def _train_loop(run: Run, ckpt: Checkpointer, logger: MetricsLogger, state: Trai
                             tok_s=f"{new[-1]['tokens_per_s']:.0f}")
         if at_save:
             loop.save(state, force=True)
+    if loop.pending:  # a signal that came after this step's flush check: its records are written before the save
+        bar.update(len(loop.flush(state, done, evaluate_now=False)))
     if stop.signal is not None and done < cfg.steps:  # a signal during the last step leaves a finished run
         stopped_by = signal.Signals(stop.signal).name
         loop.save(state, force=True)  # the step it stopped at (step 0 if before the first); a no-op if just saved
