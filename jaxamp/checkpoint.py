@@ -56,43 +56,42 @@ orbax pitfalls handled here (orbax-checkpoint 0.12.8):
   awaited" RuntimeWarning (orbax's leftovers, collected at exit) are dropped too. `JAXAMP_ORBAX_LOGS=1` keeps
   them all.
 - A save whose step folder is missing after orbax reports success raises `CheckpointSaveError` too.
+
+The integrity record is built in `jaxamp.checkpoint_record`; orbax's failure reports are kept quiet, and failures
+told in one line, by `jaxamp.checkpoint_quiet`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno as errno_codes
 import gc
-import hashlib
 import json
-import logging
 import os
 import re
-import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from jaxamp.checkpoint_quiet import after_failed_save, quiet_library_failures, save_reason, short_error
+from jaxamp.checkpoint_record import (READABLE_FORMATS, config_digest, digests, host_array, index_str,
+                                      integrity_record, leaf_dtype, loss_scale_record, parse_index, seal_intact,
+                                      sealed, sha256, structure_string)
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp.precision import policy_name
 from jaxamp.state import TrainState
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointSaveError", "Checkpointer"]
+__all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointSaveError", "Checkpointer",
+           "loss_scale_from_record"]
 
-_FORMAT = 2  # 2 adds record_sha256, the record's own digest; format-1 records are still read
-_READABLE_FORMATS = (1, 2)
 _ITEMS = ("state", "config", "integrity", "metrics")
 _STEP_RE = re.compile(r"^\d+$")
 _TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp.*$")
 _ORBAX_ROOT_ENTRIES = frozenset({"metadata"})  # orbax's root metadata folder (written only with custom metadata)
-_ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
-_MAX_REASON = 400
 _clock = time.monotonic  # how long a save waited for the previous one (a test replaces it)
 
 
@@ -142,60 +141,7 @@ def _check_index(item_dir: Path) -> None:
         store = ts.KvStore.open({"driver": "ocdbt", "base": item_dir.resolve().as_uri() + "/"}).result()
         store.list().result()
     except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError with a DATA_LOSS status and others
-        raise _Unusable(f"its array index is unreadable: {_short(err)}") from None
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Hashing and the integrity record.
-
-
-def _host_array(x) -> np.ndarray:
-    """Returns a C-contiguous host copy of a fully addressable array (typed PRNG keys as their raw data)."""
-    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    return np.ascontiguousarray(np.asarray(jax.device_get(x)))
-
-
-def _digests(arrays: list) -> list[str]:
-    """sha256 of each fully addressable array, copied to the host one leaf at a time in a few threads.
-
-    Peak extra host memory is a few leaves, not the whole state; hashlib releases the GIL while hashing.
-    """
-    with concurrent.futures.ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda x: _sha256(_host_array(x)), arrays))
-
-
-def _sha256(arr: np.ndarray) -> str:
-    """sha256 hex digest of the raw bytes of a C-contiguous host array (native byte order)."""
-    return hashlib.sha256(arr.reshape(-1).view(np.uint8)).hexdigest()
-
-
-def _index_str(index: tuple, shape: tuple) -> str:
-    """A shard's global index as `"start:stop,..."` (one entry per dimension; `""` for a scalar)."""
-    return ",".join("{}:{}".format(*s.indices(n)[:2]) for s, n in zip(index, shape))
-
-
-def _parse_index(text: str) -> tuple:
-    if not text:
-        return ()
-    return tuple(slice(int(a), int(b)) for a, b in (part.split(":") for part in text.split(",")))
-
-
-def _leaf_dtype(x) -> str:
-    dtype = x.dtype
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return str(dtype)
-    return np.dtype(dtype).name
-
-
-def _structure_string(tree) -> str:
-    """`str(jax.tree.structure(tree))` without object addresses (`<function f at 0x...>` differs per process)."""
-    return _ADDRESS_RE.sub("", str(jax.tree.structure(tree)))
-
-
-def _loss_scale_record(loss_scale) -> dict:
-    config = loss_scale.config() if hasattr(loss_scale, "config") else {}
-    return {"type": type(loss_scale).__name__, "config": config}
+        raise _Unusable(f"its array index is unreadable: {short_error(err)}") from None
 
 
 def loss_scale_from_record(record: dict) -> LossScale:
@@ -214,78 +160,6 @@ def loss_scale_from_record(record: dict) -> LossScale:
     return StaticLossScale(1.0) if kind == "StaticLossScale" else NoOpLossScale()
 
 
-def _allgather_json(obj) -> list:
-    """Every process's `obj` (JSON-able), in process order. A no-op list of one in a single-process run."""
-    if jax.process_count() == 1:
-        return [obj]
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-
-    data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int64))).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: data.size] = data
-    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-    return [json.loads(bytes(rows[i, : int(sizes[i])])) for i in range(len(sizes))]
-
-
-def _config_digest(config) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-
-
-def _integrity_record(state: TrainState, config: dict, checksums: bool, metrics: list | None = None) -> dict:
-    """Builds the JSON integrity record of `state` (see the module docstring). Copies every leaf to the host."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(state)
-    leaves: dict[str, dict] = {}
-    whole: list[tuple[str, Any]] = []
-    sharded: list[tuple[str, Any]] = []
-    for path, x in flat:
-        key = jax.tree_util.keystr(path)
-        x = x if hasattr(x, "dtype") else np.asarray(x)
-        leaves[key] = {"dtype": _leaf_dtype(x), "shape": list(np.shape(x))}
-        if not checksums:
-            continue
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            sharded.append((key, x))
-        else:
-            whole.append((key, x))
-    if whole:
-        for (key, _), digest in zip(whole, _digests([x for _, x in whole])):
-            leaves[key]["sha256"] = digest
-    if sharded:
-        mine: dict[str, dict[str, str]] = {}
-        for key, x in sharded:
-            for shard in x.addressable_shards:
-                if shard.replica_id == 0:
-                    mine.setdefault(key, {})[_index_str(shard.index, x.shape)] = _sha256(_host_array(shard.data))
-        for part in _allgather_json(mine):
-            for key, shards in part.items():
-                leaves[key].setdefault("shards", {}).update(shards)
-    ls = state.loss_scale
-    return {
-        "format": _FORMAT,
-        "step": int(jax.device_get(state.step)),
-        "leaves": leaves,
-        "loss_scale": _loss_scale_record(ls),
-        "policy": policy_name(state.policy),
-        "structure": _structure_string(state),
-        "config_sha256": _config_digest(config),
-        **({} if metrics is None else {"metrics_sha256": _config_digest(metrics)}),
-    }
-
-
-def _sealed(record: dict) -> dict:
-    """The record with `record_sha256`, the digest of everything else in it: a damaged record reads as unusable,
-    never as a settings mismatch."""
-    return {**record, "record_sha256": _config_digest(record)}
-
-
-def _seal_intact(record: dict) -> bool:
-    if record.get("format") == 1:
-        return True  # written before records were sealed
-    rest = {k: v for k, v in record.items() if k != "record_sha256"}
-    return record.get("record_sha256") == _config_digest(rest)
-
-
 def _json_normal(value):
     """`value` as it comes back from a JSON round trip (tuples -> lists, int keys -> str)."""
     return json.loads(json.dumps(value))
@@ -299,134 +173,6 @@ def _first_difference(a: str, b: str, context: int = 60) -> tuple[str, str]:
     i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     lo = max(0, i - context)
     return f"...{a[lo:i + context]}...", f"...{b[lo:i + context]}..."
-
-
-def _short(err: BaseException) -> str:
-    """One line: the exception's type and message, without TensorStore's spec dump, at most _MAX_REASON chars."""
-    text = " ".join(f"{type(err).__name__}: {err}".split())
-    text = text.split(" See full TensorStore details")[0]
-    return text if len(text) <= _MAX_REASON else text[: _MAX_REASON - 3] + "..."
-
-
-_OS_ERROR_RE = re.compile(r"\[os_error_code='?(\d+)'?\]|\[Errno (\d+)\]")
-
-
-def _os_errno(err: BaseException) -> int | None:
-    """The operating-system error behind `err` (its own errno, one in its cause chain, or tensorstore's
-    `[os_error_code=N]` in a message), or None."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno:
-            return err.errno
-        match = _OS_ERROR_RE.search(str(err))
-        if match:
-            return int(match.group(1) or match.group(2))
-        err = err.__cause__ or err.__context__
-    return None
-
-
-def _save_reason(err: BaseException) -> tuple[str, int | None]:
-    """One line for a failed save: the OS error's text when there is one (e.g. "No space left on device", which
-    tensorstore's messages bury after two file paths), else `_short(err)`."""
-    code = _os_errno(err)
-    if code is None:
-        return _short(err), None
-    name = errno_codes.errorcode.get(code, str(code))
-    return f"{os.strerror(code)} ({name})", code
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# orbax's and tensorstore's reports of failures in their background threads.
-
-_VERBOSE_ENV = "JAXAMP_ORBAX_LOGS"  # "1": leave orbax's and tensorstore's failure reports on stderr
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (ocp, ts))
-
-
-def _mentions_library(record: logging.LogRecord) -> bool:
-    if record.pathname.startswith(_LIBRARY_DIRS) or any(d in record.getMessage() for d in _LIBRARY_DIRS):
-        return True
-    tb = record.exc_info[2] if record.exc_info else None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-class _LibraryFailureFilter(logging.Filter):
-    """Drops error records that orbax logs from its threads when a save or read fails (each with a traceback, and
-    one per thread), and asyncio's "Task exception was never retrieved" reports of orbax's failed tasks. The
-    failure itself reaches the caller as a CheckpointError; these would only repeat it, hundreds of lines long.
-    Also drops the two warnings orbax logs for every read-only manager (one per restore), which say nothing, and
-    the one it logs, per manager, for each step folder without its metadata file (an old step whose deletion was
-    cut short: restores never reach it; a damaged newest step is reported by `restore` itself), and its note, at
-    every save, that waiting for the previous one took over a second (`save` says so once)."""
-
-    _HARMLESS = ("Given directory is read only", "CheckpointManagerOptions.read_only=True",
-                 "Metadata file does not exist", "Waiting for previous save to complete took")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
-            debris = _SAVE_FAILED and record.name == "asyncio" and "exception was never retrieved" in str(record.msg)
-            return not (debris or _mentions_library(record))
-        return not (record.pathname.startswith(_LIBRARY_DIRS) and str(record.msg).startswith(self._HARMLESS))
-
-
-_FAILURE_FILTER = _LibraryFailureFilter()
-_SAVE_FAILED = False  # set by the first failed save of the process: see _after_failed_save
-
-
-def _after_failed_save() -> None:
-    """A failed save leaves orbax's futures and coroutines behind; collected later (often at exit, after the error
-    line), they report "Future exception was never retrieved" (asyncio's logger, with no trace of orbax in the
-    record) and "coroutine '...write_fragment' was never awaited" (a RuntimeWarning). The save's failure was raised
-    already: from now on both are dropped, for the process."""
-    global _SAVE_FAILED
-    if os.environ.get(_VERBOSE_ENV) == "1":
-        return
-    _SAVE_FAILED = True
-    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
-
-
-def _closed_loop_wakeup(unraisable) -> bool:
-    """tensorstore's callbacks waking an asyncio loop that orbax already closed after a failure."""
-    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
-        return False
-    tb = unraisable.exc_traceback
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _abandoned_library_coroutine(unraisable) -> bool:
-    """A coroutine of a failed orbax read, left suspended and collected later ("Exception ignored in: <coroutine
-    object _read_array_index_and_device_put ...>" and its traceback, one per array): the failure was reported."""
-    code = getattr(unraisable.object, "cr_code", None)
-    return code is not None and code.co_filename.startswith(_LIBRARY_DIRS)
-
-
-def _quiet_library_failures() -> None:
-    """Keeps orbax's and tensorstore's failure reports from background threads off stderr, for the process
-    (idempotent). Set JAXAMP_ORBAX_LOGS=1 to see them."""
-    if os.environ.get(_VERBOSE_ENV) == "1":
-        return
-    for name in ("absl", "asyncio"):
-        logger = logging.getLogger(name)
-        if _FAILURE_FILTER not in logger.filters:
-            logger.addFilter(_FAILURE_FILTER)
-    if getattr(sys.unraisablehook, "_jaxamp_quiet", False):
-        return
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        if not (_closed_loop_wakeup(unraisable) or _abandoned_library_coroutine(unraisable)):
-            previous(unraisable)
-
-    hook._jaxamp_quiet = True
-    sys.unraisablehook = hook
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -459,7 +205,7 @@ class Checkpointer:
         self._manager: ocp.CheckpointManager | None = None  # the writer, created at the first save
         self._pending: int | None = None  # the step of a save started and not yet waited for
         self._slow_noted = False  # warned once that saves wait for each other
-        _quiet_library_failures()
+        quiet_library_failures()
         self._check_directory()
 
     @property
@@ -576,7 +322,7 @@ class Checkpointer:
                 f"cannot save step {label} in {self._dir}: it holds newer step folders {newer} (orbax saves only "
                 f"steps newer than the newest folder); remove them or use another directory")
         manager.reload()  # orbax caches its step list; steps removed by hand must not block this save
-        integrity = _sealed(_integrity_record(state, config, self._checksums, metrics))
+        integrity = sealed(integrity_record(state, config, self._checksums, metrics))
         items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config),
                  "integrity": ocp.args.JsonSave(integrity)}
         if metrics is not None:
@@ -585,8 +331,8 @@ class Checkpointer:
         try:
             started = bool(manager.save(label, args=args, force=force))
         except Exception as err:  # noqa: BLE001 - orbax raises OSError, ValueError, RuntimeError, ...
-            _after_failed_save()
-            reason, code = _save_reason(err)
+            after_failed_save()
+            reason, code = save_reason(err)
             collision = code in (None, errno_codes.EEXIST, errno_codes.ENOENT)
             raise CheckpointSaveError(
                 f"saving step {label} to {self._dir} failed: {reason}" + (
@@ -620,8 +366,8 @@ class Checkpointer:
         try:
             self._manager.wait_until_finished()
         except Exception as err:  # noqa: BLE001 - orbax re-raises whatever the background thread raised
-            _after_failed_save()
-            reason, code = _save_reason(err)
+            after_failed_save()
+            reason, code = save_reason(err)
             self._drop_writer()
             raise CheckpointSaveError(f"saving {step} to {self._dir} failed: {reason}", step=pending,
                                       errno=code) from err
@@ -783,7 +529,7 @@ class Checkpointer:
             try:
                 state = manager.restore(n, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
             except Exception as err:  # noqa: BLE001
-                raise _Unusable(f"orbax could not restore the arrays: {_short(err)}") from None
+                raise _Unusable(f"orbax could not restore the arrays: {short_error(err)}") from None
         finally:
             manager.close()
         # 4. Recompute digests.
@@ -800,13 +546,13 @@ class Checkpointer:
                 config=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore()))
             config, record = meta.config, meta.integrity
         except Exception as err:  # noqa: BLE001 - orbax raises anything from KeyError to bare Exception
-            raise _Unusable(f"cannot read its config/integrity record: {_short(err)}") from None
+            raise _Unusable(f"cannot read its config/integrity record: {short_error(err)}") from None
         if (not isinstance(config, dict) or not isinstance(record, dict)
-                or record.get("format") not in _READABLE_FORMATS):
+                or record.get("format") not in READABLE_FORMATS):
             raise _Unusable("config or integrity record is missing or not in the expected format")
-        if not _seal_intact(record):
+        if not seal_intact(record):
             raise _Unusable("integrity record does not match its sha256")
-        if record.get("config_sha256") != _config_digest(config):
+        if record.get("config_sha256") != config_digest(config):
             raise _Unusable("config JSON does not match its sha256")
         if with_metrics and "metrics_sha256" in record:
             Checkpointer._read_metrics_item(manager, n, record)
@@ -833,8 +579,8 @@ class Checkpointer:
         try:
             metrics = manager.restore(n, args=ocp.args.Composite(metrics=ocp.args.JsonRestore())).metrics
         except Exception as err:  # noqa: BLE001
-            raise _Unusable(f"cannot read its metrics copy: {_short(err)}") from None
-        if not isinstance(metrics, list) or _config_digest(metrics) != record["metrics_sha256"]:
+            raise _Unusable(f"cannot read its metrics copy: {short_error(err)}") from None
+        if not isinstance(metrics, list) or config_digest(metrics) != record["metrics_sha256"]:
             raise _Unusable("metrics copy does not match its sha256")
         return metrics
 
@@ -868,7 +614,7 @@ class Checkpointer:
                     f"checkpoint at step {n} was saved with {key}={_fmt(config[key])} but this run has "
                     f"{key}={_fmt(want)}; {advice}")
         saved_ls = record.get("loss_scale") or {}
-        this_ls = _json_normal(_loss_scale_record(target.loss_scale))
+        this_ls = _json_normal(loss_scale_record(target.loss_scale))
         if saved_ls.get("type") != this_ls["type"]:
             raise CheckpointMismatchError(
                 f"{where} was saved with loss_scale={saved_ls.get('type')} but this run has "
@@ -895,12 +641,12 @@ class Checkpointer:
                 f"the restore target has; {advice}")
         for key, x in target_leaves.items():
             saved = saved_leaves[key]
-            this = {"dtype": _leaf_dtype(x), "shape": list(x.shape)}
+            this = {"dtype": leaf_dtype(x), "shape": list(x.shape)}
             if (saved.get("dtype"), saved.get("shape")) != (this["dtype"], this["shape"]):
                 raise CheckpointMismatchError(
                     f"{where} was saved with {key} as {saved.get('dtype')}{saved.get('shape')} but this run has "
                     f"{this['dtype']}{this['shape']}; {advice}")
-        this_structure = _structure_string(target)
+        this_structure = structure_string(target)
         if record.get("structure") != this_structure:
             a, b = _first_difference(str(record.get("structure")), this_structure)
             raise CheckpointMismatchError(
@@ -914,14 +660,14 @@ class Checkpointer:
         whole = [(jax.tree_util.keystr(p), x) for p, x in flat
                  if not isinstance(x, jax.Array) or x.is_fully_addressable]
         plain = [(key, x) for key, x in whole if "sha256" in saved_leaves[key]]
-        for (key, _), digest in zip(plain, _digests([x for _, x in plain])):
+        for (key, _), digest in zip(plain, digests([x for _, x in plain])):
             if digest != saved_leaves[key]["sha256"]:
                 raise _Unusable(f"checksum mismatch in {key}")
         for key, x in whole:
             if "shards" in saved_leaves[key]:  # saved from a multi-process run: check each saved shard
-                arr = _host_array(x)
+                arr = host_array(x)
                 for index, digest in saved_leaves[key]["shards"].items():
-                    if _sha256(np.ascontiguousarray(arr[_parse_index(index)])) != digest:
+                    if sha256(np.ascontiguousarray(arr[parse_index(index)])) != digest:
                         raise _Unusable(f"checksum mismatch in {key}[{index}]")
         for path, x in flat:
             if not isinstance(x, jax.Array) or x.is_fully_addressable:
@@ -932,11 +678,11 @@ class Checkpointer:
                 continue  # saved with checksums=False
             checked = False
             for shard in x.addressable_shards:
-                digest = (saved or {}).get(_index_str(shard.index, x.shape))
+                digest = (saved or {}).get(index_str(shard.index, x.shape))
                 if digest is not None:
                     checked = True
-                    if _sha256(_host_array(shard.data)) != digest:
-                        raise _Unusable(f"checksum mismatch in {key}[{_index_str(shard.index, x.shape)}]")
+                    if sha256(host_array(shard.data)) != digest:
+                        raise _Unusable(f"checksum mismatch in {key}[{index_str(shard.index, x.shape)}]")
             if not checked:
                 unverified.append(key)
         if unverified:

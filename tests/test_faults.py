@@ -19,7 +19,8 @@ import optax
 import pytest
 
 from jaxamp import DynamicLossScale, TrainState, get_policy
-from jaxamp.checkpoint import CheckpointSaveError, Checkpointer, _save_reason
+from jaxamp.checkpoint import CheckpointSaveError, Checkpointer
+from jaxamp.checkpoint_quiet import save_reason
 from jaxamp.metrics_log import MetricsLogger, read_metrics
 
 from conftest import load_script, number, table_rows
@@ -72,10 +73,10 @@ def test_save_error_reason_is_the_os_error():
     err = ValueError(f'RESOURCE_EXHAUSTED: Error writing "opt_state.1.count/0" in OCDBT database at local file {where}'
                      f'": Failed writing: {where}d/6487a22f7c27f6aba92efb0cfc2e4244": Failed to write 221450 bytes '
                      "to file 13: No space left on device [os_error_code='28']")
-    assert _save_reason(err) == ("No space left on device (ENOSPC)", errno.ENOSPC)
-    assert _save_reason(OSError(errno.EROFS, "Read-only file system")) == ("Read-only file system (EROFS)",
+    assert save_reason(err) == ("No space left on device (ENOSPC)", errno.ENOSPC)
+    assert save_reason(OSError(errno.EROFS, "Read-only file system")) == ("Read-only file system (EROFS)",
                                                                           errno.EROFS)
-    assert _save_reason(RuntimeError("orbax: something else")) == ("RuntimeError: orbax: something else", None)
+    assert save_reason(RuntimeError("orbax: something else")) == ("RuntimeError: orbax: something else", None)
 
 
 def test_a_save_that_cannot_be_written_ends_in_one_line(tmp_path):
@@ -171,10 +172,10 @@ def test_a_truncated_array_file_falls_back_without_orbax_leftovers(tmp_path):
 FAILED_SAVE_DEBRIS = """
 import asyncio, gc, logging, sys
 logging.basicConfig()  # as absl leaves it: records print as LEVEL:name:message
-from jaxamp import checkpoint
-checkpoint._quiet_library_failures()
+from jaxamp import checkpoint_quiet
+checkpoint_quiet.quiet_library_failures()
 if sys.argv[1] == "after a failed save":
-    checkpoint._after_failed_save()
+    checkpoint_quiet.after_failed_save()
 async def write_fragment():
     pass
 coroutine = write_fragment()  # left unawaited by orbax's failed save
@@ -205,11 +206,13 @@ def test_slow_saves_are_noted_once(tmp_path, monkeypatch):
     took 2.210367 seconds ..." at every save, on stderr of runs that a fault then stopped. It is dropped; jaxamp says
     it once per run."""
     import jaxamp.checkpoint as ckpt_mod
+    import jaxamp.checkpoint_quiet as quiet_mod
 
-    record = logging.LogRecord("absl", logging.WARNING, ckpt_mod._LIBRARY_DIRS[0] + "checkpoint_manager.py", 1467,
-                               "Waiting for previous save to complete took %f seconds. If this number is high, "
-                               "consider checkpointing less frequently.", (2.21,), None)
-    assert not ckpt_mod._FAILURE_FILTER.filter(record)
+    library_file = quiet_mod._LIBRARY_DIRS[0] + "checkpoint_manager.py"
+    message = ("Waiting for previous save to complete took %f seconds. If this number is high, consider "
+               "checkpointing less frequently.")
+    record = logging.LogRecord("absl", logging.WARNING, library_file, 1467, message, (2.21,), None)
+    assert not quiet_mod._FAILURE_FILTER.filter(record)
     clock = iter(range(0, 100, 2))  # every wait for the previous save "takes" 2 s
     monkeypatch.setattr(ckpt_mod, "_clock", lambda: float(next(clock)))
     with warnings.catch_warnings(record=True) as caught:
