@@ -6,7 +6,7 @@
 #   benchmarks/gpu_check.sh --dry-run [OUTDIR] # on a CPU: the same stages at --tiny sizes (CI runs this)
 #   JAXAMP_DATA=DIR benchmarks/gpu_check.sh    # throughput on real tokens: DIR holds nanoGPT's train.bin/val.bin
 #
-# Stages (timeouts in seconds; about 6 minutes in all on one H200):
+# Stages (timeouts in seconds; about 8 minutes in all on one H200):
 #   0 env         nvidia-smi, jax/flax/optax versions and devices                      -> env.txt
 #   1 tests       pytest -m gpu tests/test_gpu.py: cuDNN attention, FP8 GEMMs, bitwise skip, one compile,
 #                 checkpoint round trip, 20 LM steps in fp32/bf16/fp16 within 1%
@@ -15,7 +15,10 @@
 #   3 paired      benchmarks/gpu_paired.py, fp16 against bf16 interleaved in one process -> gpu_paired.md
 #   4 profile     benchmarks/gpu_profile.py, kernel time by kind for bf16 and fp8      -> gpu_profile.md
 # Every stage's output also goes to OUTDIR/check.log (6 files in all: the device tool returns at most 8).
-# GPU_CHECK_PRECISIONS picks the throughput rows (default: bf16 fp16 fp8 fp32 fp32-highest, cheapest first).
+# GPU_CHECK_PRECISIONS picks the throughput rows (default: bf16 bf16-fused fp16 fp8 fp32 fp32-highest, cheapest
+# first; about 50 s each) and GPU_CHECK_STAGES the stages (default: tests throughput paired profile). With little
+# device time left, measure what is new first, e.g.
+#   GPU_CHECK_STAGES=throughput GPU_CHECK_PRECISIONS="bf16 bf16-fused fp8" benchmarks/gpu_check.sh
 # The exit status is that of the first stage that failed (0 if none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,11 +87,14 @@ print('backend', jax.default_backend(), [(d.device_kind, getattr(d, 'compute_cap
 } >"$OUTDIR/env.txt" 2>&1
 cat "$OUTDIR/env.txt"
 
-stage tests 150 $PY -m pytest -q "${TESTS[@]}" -rs -s -p no:cacheprovider
-read -r -a PRECISIONS <<<"${GPU_CHECK_PRECISIONS:-bf16 fp16 fp8 fp32 fp32-highest}"
-stage throughput 300 $PY benchmarks/gpu_throughput.py "${SIZE[@]}" ${DATA[@]+"${DATA[@]}"} --precisions "${PRECISIONS[@]}" \
-  --out "$OUTDIR/gpu_throughput.md" --json "$OUTDIR/gpu_throughput.json"
-stage paired 120 $PY benchmarks/gpu_paired.py "${PAIRED[@]}" --precisions bf16 fp16 --out "$OUTDIR/gpu_paired.md"
-stage profile 100 $PY benchmarks/gpu_profile.py "${PROFILE[@]}" --out "$OUTDIR/gpu_profile.md"
+STAGES=" ${GPU_CHECK_STAGES:-tests throughput paired profile} "
+wanted() { [[ $STAGES == *" $1 "* ]]; }
+wanted tests && stage tests 150 $PY -m pytest -q "${TESTS[@]}" -rs -s -p no:cacheprovider
+read -r -a PRECISIONS <<<"${GPU_CHECK_PRECISIONS:-bf16 bf16-fused fp16 fp8 fp32 fp32-highest}"
+wanted throughput && stage throughput 360 $PY benchmarks/gpu_throughput.py "${SIZE[@]}" ${DATA[@]+"${DATA[@]}"} \
+  --precisions "${PRECISIONS[@]}" --out "$OUTDIR/gpu_throughput.md" --json "$OUTDIR/gpu_throughput.json"
+wanted paired && stage paired 120 $PY benchmarks/gpu_paired.py "${PAIRED[@]}" --precisions bf16 fp16 \
+  --out "$OUTDIR/gpu_paired.md"
+wanted profile && stage profile 100 $PY benchmarks/gpu_profile.py "${PROFILE[@]}" --out "$OUTDIR/gpu_profile.md"
 echo "gpu_check: results in $OUTDIR; exit $status"
 exit $status

@@ -1,4 +1,4 @@
-"""Training throughput, MFU and memory of a GPT-2-124M-sized LM under jaxamp, in four precisions, one command.
+"""Training throughput, MFU and memory of a GPT-2-124M-sized LM under jaxamp, in five precisions, one command.
 
     python benchmarks/gpu_throughput.py                           # 12 layers, 12 heads, width 768, seq 1024, batch 16
     python benchmarks/gpu_throughput.py --batch-size 32 --steps 20
@@ -11,6 +11,8 @@ with global-norm clipping, as a user writes it):
   fp32-highest  fp32 policy, no loss scale, under `jax.default_matmul_precision("highest")` (true float32 matmuls)
   fp32          fp32 policy, no loss scale, default matmul precision (TF32 tensor cores on Ampere/Hopper)
   bf16          bf16 policy (float32 master weights), no loss scale
+  bf16-fused    bf16, with the fused head + cross-entropy (`TransformerConfig.loss_chunk` = 4096 tokens): the
+                f32[tokens, vocab] logits are never held whole (they cost ~15 ms of memory traffic per bf16 step)
   fp16          fp16 policy (float32 master weights), jaxamp `DynamicLossScale`
   fp8           fp8 policy: bf16 compute with the Dense matmuls through Flax's FP8 ops (e4m3/e5m2, delayed scaling;
                 head and attention in bf16), no loss scale; MFU against the FP8 peak and, in brackets, the bf16 peak
@@ -56,12 +58,14 @@ from jaxamp.presets import MODEL_PRESETS, PRESET_FIELDS  # noqa: E402  (imports 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_throughput.md"
 TINY_OUT = REPO / "benchmarks" / "results" / "gpu_throughput_tiny.md"  # --tiny never overwrites the real results
-PRECISIONS = {  # name -> (jaxamp policy, dynamic loss scale?, matmul precision or None, peak-table key)
-    "fp32-highest": ("fp32", False, "highest", "fp32"),
-    "fp32": ("fp32", False, None, "tf32"),
-    "bf16": ("bf16", False, None, "16bit"),
-    "fp16": ("fp16", True, None, "16bit"),
-    "fp8": ("fp8", False, None, "fp8"),
+FUSED_CHUNK = 4096  # tokens per block of the fused head + cross-entropy in the *-fused rows
+PRECISIONS = {  # name -> (jaxamp policy, dynamic loss scale?, matmul precision or None, peak-table key, loss_chunk)
+    "fp32-highest": ("fp32", False, "highest", "fp32", 0),
+    "fp32": ("fp32", False, None, "tf32", 0),
+    "bf16": ("bf16", False, None, "16bit", 0),
+    "bf16-fused": ("bf16", False, None, "16bit", FUSED_CHUNK),  # TransformerConfig.loss_chunk: no whole f32 logits
+    "fp16": ("fp16", True, None, "16bit", 0),
+    "fp8": ("fp8", False, None, "fp8", 0),
 }
 # Dense peak FLOP/s per device kind (substring of jax.devices()[0].device_kind): 16-bit tensor cores, TF32 tensor
 # cores (the default float32 matmul), true float32 (precision="highest"). Sparse figures are not used.
@@ -116,20 +120,21 @@ def build(name: str, size: dict):
     import optax
 
     from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step
-    from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, count_params, cross_entropy_loss
+    from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, count_params
     from jaxamp.precision import uses_fp8
     from jaxamp.train import lm_variables
 
-    policy_name, dynamic, _, _ = PRECISIONS[name]
+    policy_name, dynamic, _, _, loss_chunk = PRECISIONS[name]
     policy = get_policy(policy_name, keep_float32=LM_KEEP_FLOAT32) if policy_name != "fp32" else get_policy("fp32")
     cfg = TransformerConfig(vocab_size=size["vocab"], seq_len=size["seq_len"], num_layers=size["layers"],
-                            num_heads=size["heads"], width=size["width"], dropout=0.0, fp8=uses_fp8(policy))
+                            num_heads=size["heads"], width=size["width"], dropout=0.0, fp8=uses_fp8(policy),
+                            loss_chunk=loss_chunk)
     model = TransformerLM(cfg)
 
     def loss_fn(params, batch, rng):
         del rng  # no dropout
         inputs, targets = batch  # i32[batch, seq] each
-        return cross_entropy_loss(model.apply(lm_variables(params), inputs, deterministic=True), targets)
+        return model.apply(lm_variables(params), inputs, targets, deterministic=True)  # f32[] mean cross-entropy
 
     init_key, data_key, state_key = jax.random.split(jax.random.key(0), 3)
     variables = jax.jit(model.init)(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))

@@ -74,6 +74,8 @@ HELP = {
     "max_retries": "retries per step with --on-overflow retry",
     "underflow_stats": "log the gradients' zero fraction and the loss scale's headroom each step",
     "fp8_amax_history": "steps of amax history per FP8 tensor (--precision fp8)",
+    "loss_chunk": "tokens per block of the fused output head + cross-entropy, which never holds the whole float32 "
+                  "logits (0 = compute them whole); same loss to float32 rounding; may change on resume",
     "fidelity_every": "steps between gradient-fidelity checks: each leaf's relative error against a float32 "
                       "recomputation of the same batch, as grad_rel_err in metrics.jsonl (0 = off)",
     "max_consecutive_skips": "stop, after saving, when this many steps in a row overflow (or 10 at the minimum "

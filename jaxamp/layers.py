@@ -15,6 +15,11 @@ and has this fault; torch.amp never autocasts embeddings.
   torch.amp's half-precision logits would be) and returns the table's gradient accumulated in float32. Plain
   autodiff would run both backward matmuls in float32 (one operand, the logit gradient, is float32): on an H200
   that made them TF32 GEMMs, 16 of 84 ms of a GPT-2-124M bf16 step.
+* `attend_cross_entropy(x, table, targets, chunk)` is `attend` followed by the float32 cross-entropy, computed
+  `chunk` tokens at a time without materialising the float32 logits of the whole batch: the forward keeps only each
+  token's log-normaliser, and the backward recomputes each block's logits. On a GPT-2-124M bf16 step on an H200,
+  the f32[32768, 50304] logits (6.6 GB) cost about 15 ms of memory traffic (`benchmarks/results/gpu_analysis.md`);
+  the fused form trades that for one more head matmul (Liger-Kernel's fused linear cross-entropy does the same).
 * `add_bias(y, bias)` is `y + bias` broadcast over the leading axes, whose backward sums the bias gradient in
   float32: autodiff would transpose the broadcast into a reduction in `y`'s dtype, over every token of the batch
   (26% relative error on a bfloat16 attention bias over 4,096 tokens, measured with `jaxamp.fidelity`).
@@ -24,6 +29,7 @@ and has this fault; torch.amp never autocasts embeddings.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -31,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["Dense", "Embed", "add_bias", "attend", "embed_lookup"]
+__all__ = ["Dense", "Embed", "add_bias", "attend", "attend_cross_entropy", "embed_lookup"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -131,6 +137,87 @@ def attend(x: jax.Array, table: jax.Array) -> jax.Array:
     return _attend_half(x, table)
 
 
+def attend_cross_entropy(x: jax.Array, table: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+    """Per-token cross-entropy of the tied head's logits, `chunk` tokens at a time, without the full logits.
+
+    Equals `optax.softmax_cross_entropy_with_integer_labels(attend(x, table), targets)` to float32 rounding (the
+    same logits, block by block; the table's gradient sums the blocks in float32), with the same dtypes as `attend`:
+    matmul operands in `x`'s dtype, float32 accumulation, logits and loss in float32, the logit gradient rounded to
+    `x`'s dtype once. Memory: `f32[chunk, vocab]` logits at a time instead of `f32[tokens, vocab]`; the backward
+    recomputes them (one more `[tokens, features] x [features, vocab]` matmul).
+
+    Args:
+      x: `float[..., features]` activations in the compute dtype.
+      table: `float[vocab, features]` embedding table (float32 or the compute dtype).
+      targets: `int[...]` target ids in `[0, vocab)`, `x`'s leading shape; out-of-range ids give NaN losses.
+      chunk: tokens per block (a positive int); the token count is padded up to a multiple of it.
+
+    Returns:
+      `f32[...]` per-token losses in nats.
+
+    Raises:
+      ValueError: mismatched shapes, non-integer targets or a non-positive `chunk`.
+    """
+    if x.shape[-1] != table.shape[-1] or targets.shape != x.shape[:-1]:
+        raise ValueError(f"shapes do not fit: x {x.shape}, table {table.shape}, targets {targets.shape}; expected "
+                         f"x [..., features], table [vocab, features], targets x.shape[:-1]")
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(f"targets must be an integer array, got {targets.dtype}; cast with .astype(jnp.int32)")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"chunk must be a positive number of tokens, got {chunk!r}")
+    lead, n = x.shape[:-1], math.prod(x.shape[:-1])
+    chunk = min(chunk, n)
+    pad = -n % chunk
+    x2 = jnp.pad(x.reshape(n, x.shape[-1]), ((0, pad), (0, 0)))  # [tokens + pad, features]
+    t2 = jnp.pad(targets.reshape(n), (0, pad))  # [tokens + pad]
+    return _chunked_ce(chunk, x2, table, t2)[:n].reshape(lead)
+
+
+def _block_logits(xc: jax.Array, table: jax.Array) -> jax.Array:
+    """`f32[chunk, vocab]` logits of one block, exactly as `attend` computes them."""
+    return _dot_f32(xc, table.astype(xc.dtype), "nd,vd->nv")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_ce(chunk: int, x: jax.Array, table: jax.Array, targets: jax.Array) -> jax.Array:
+    return _chunked_ce_fwd(chunk, x, table, targets)[0]
+
+
+def _chunked_ce_fwd(chunk, x, table, targets):
+    def block(args):
+        xc, tc = args  # [chunk, features], [chunk]
+        logits = _block_logits(xc, table)  # f32[chunk, vocab]
+        lse = jax.nn.logsumexp(logits, axis=-1)  # f32[chunk]
+        label = jnp.take_along_axis(logits, tc[:, None], axis=-1, mode="fill")[:, 0]  # f32[chunk]
+        return lse - label, lse
+
+    xs = x.reshape(-1, chunk, x.shape[-1])  # [blocks, chunk, features]
+    losses, lse = lax.map(block, (xs, targets.reshape(-1, chunk)))  # f32[blocks, chunk] each
+    return losses.reshape(-1), (x, table, targets, lse.reshape(-1))
+
+
+def _chunked_ce_bwd(chunk, residuals, g):
+    x, table, targets, lse = residuals
+    table_c = table.astype(x.dtype)
+    vocab = table.shape[0]
+
+    def block(dtable, args):
+        xc, tc, lc, gc = args  # [chunk, features], [chunk], f32[chunk], f32[chunk]
+        logits = _block_logits(xc, table)  # f32[chunk, vocab]
+        hit = (jnp.arange(vocab, dtype=tc.dtype) == tc[:, None]).astype(jnp.float32)  # [chunk, vocab] one-hot
+        dlogits = ((jnp.exp(logits - lc[:, None]) - hit) * gc[:, None]).astype(x.dtype)  # compute dtype, once
+        dxc = _dot_f32(dlogits, table_c, "nv,vd->nd").astype(x.dtype)  # [chunk, features]
+        return dtable + _dot_f32(dlogits, xc, "nv,nd->vd"), dxc  # f32[vocab, features] summed over blocks
+
+    blocks = (x.reshape(-1, chunk, x.shape[-1]), targets.reshape(-1, chunk), lse.reshape(-1, chunk),
+              g.reshape(-1, chunk))
+    dtable, dxs = lax.scan(block, jnp.zeros(table.shape, jnp.float32), blocks)
+    return dxs.reshape(x.shape), dtable.astype(table.dtype), None
+
+
+_chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
+
+
 class Embed(nn.Module):
     """`nn.Embed` whose lookup gradient accumulates in float32 (`embed_lookup`) and whose `attend` is `attend`.
 
@@ -161,6 +248,11 @@ class Embed(nn.Module):
     def attend(self, x: jax.Array) -> jax.Array:
         """`float[..., features]` -> `f32[..., num_embeddings]` logits (`attend`)."""
         return attend(x, self.embedding)
+
+    def cross_entropy(self, x: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+        """`float[..., features]`, `int[...]` -> `f32[...]` per-token losses of `attend`'s logits, `chunk` tokens
+        at a time (`attend_cross_entropy`)."""
+        return attend_cross_entropy(x, self.embedding, targets, chunk)
 
 
 def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:

@@ -112,6 +112,12 @@ class TransformerConfig:
             histories are variables of the ``"_overwrite_with_gradient"``
             collection: pass the whole variables dict to ``TrainState.create``.
         fp8_amax_history: Steps of amax history per FP8 tensor.
+        loss_chunk: Tokens per block of the fused head + cross-entropy
+            (``jaxamp.layers.attend_cross_entropy``) when the model is called
+            with ``targets``; 0 materialises the ``f32[batch, seq, vocab]``
+            logits and takes the cross-entropy of them. Either way the loss
+            is the same to float32 rounding; the fused form never holds more
+            than ``f32[loss_chunk, vocab]`` logits.
 
     Raises:
         ValueError: On a non-positive size, a ``num_heads`` that does not
@@ -128,6 +134,7 @@ class TransformerConfig:
     use_bias: bool = True  # flag: biases in Dense layers and LayerNorms
     fp8: bool = False  # flag: Dense matmuls in FP8 (e4m3/e5m2, delayed scaling); head and attention stay 16-bit
     fp8_amax_history: int = 1024  # steps of amax history per FP8 tensor
+    loss_chunk: int = 0  # tokens per block of the fused head + loss; 0 = whole f32 logits
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "width", "mlp_ratio", "fp8_amax_history"):
@@ -146,6 +153,11 @@ class TransformerConfig:
             raise ValueError(
                 f"TransformerConfig.dropout must be a probability in [0, 1), got {self.dropout!r}; "
                 f"use e.g. 0.0 (no dropout) or 0.1"
+            )
+        if isinstance(self.loss_chunk, bool) or not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ValueError(
+                f"TransformerConfig.loss_chunk must be an integer >= 0 (tokens), got {self.loss_chunk!r}; "
+                f"use 0 (whole logits) or e.g. 4096"
             )
 
     @property
@@ -413,20 +425,25 @@ class TransformerLM(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
-        """Computes next-token logits.
+    def __call__(self, tokens: jax.Array, targets: jax.Array | None = None, *,
+                 deterministic: bool = True) -> jax.Array:
+        """Computes next-token logits, or with ``targets`` the mean cross-entropy (as nanoGPT's ``forward``).
 
         Args:
             tokens: ``i32[batch, seq]`` token ids in ``[0, vocab_size)`` with
                 ``seq <= config.seq_len``. (Out-of-range ids cannot be checked
                 under ``jit``; their embedding, negative ids' included, is NaN,
                 so the logits and loss are NaN rather than silently wrong.)
+            targets: Optional ``i32[batch, seq]`` next-token ids. Given, the
+                call returns the loss, through the fused head + cross-entropy
+                when ``config.loss_chunk > 0``.
             deterministic: When False and ``config.dropout > 0``, applies
                 dropout using the ``'dropout'`` rng stream.
 
         Returns:
             ``f32[batch, seq, vocab_size]`` logits, float32 whatever the
-            parameter dtype.
+            parameter dtype; with ``targets``, the ``f32[]`` mean
+            cross-entropy in nats per token.
 
         Raises:
             ValueError: If ``tokens`` is not a 2-D integer array or
@@ -461,7 +478,13 @@ class TransformerLM(nn.Module):
         x = LayerNorm(use_bias=cfg.use_bias, name="ln_f")(x)  # [batch, seq, width]
         # Float32 island (c): tied head in the compute dtype, accumulated and returned in float32; its backward
         # matmuls run in the compute dtype too (jaxamp.layers.attend).
-        return wte.attend(x)  # [batch, seq, vocab]
+        if targets is None:
+            return wte.attend(x)  # [batch, seq, vocab]
+        if targets.shape != tokens.shape:
+            raise ValueError(f"targets must have the shape of tokens {tokens.shape}, got {targets.shape}")
+        if cfg.loss_chunk:
+            return jnp.mean(wte.cross_entropy(x, targets, cfg.loss_chunk))  # f32[]
+        return cross_entropy_loss(wte.attend(x), targets)  # logits f32[batch, seq, vocab]
 
     def _compute_dtype(self):
         """The dtype the blocks' weights arrive in (`h_0/attn/c_attn/kernel`): the policy's compute dtype.

@@ -33,7 +33,7 @@ from jaxamp.grad_stats import nonfinite_paths, worst_leaves
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp.metrics_log import MetricsLogger, read_metrics, scan_metrics, sync_metrics
 from jaxamp.fidelity import grad_fidelity, worst
-from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, count_params, cross_entropy_loss, generate
+from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, count_params, generate
 from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name, uses_fp8
 from jaxamp.presets import MODEL_PRESETS, PRESET_FIELDS
 from jaxamp.state import TrainState, split_fp8
@@ -93,6 +93,7 @@ class TrainConfig:
     underflow_stats: bool = False  # log gradient zero fraction and loss-scale headroom per step
     fidelity_every: int = 0  # steps between gradient-fidelity checks against float32 (0 = off)
     fp8_amax_history: int = 1024  # steps of amax history per FP8 tensor (--precision fp8)
+    loss_chunk: int = 0  # tokens per block of the fused head + cross-entropy; 0 = whole f32 logits
     max_consecutive_skips: int = 100  # stop (after saving) when this many steps in a row overflow
     keep: int = 3  # checkpoints kept (newest)
     seed: int = 1337
@@ -153,6 +154,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--on-overflow must be skip or retry, got {cfg.on_overflow!r}")
     if cfg.max_retries < 0:
         raise ConfigError(f"--max-retries must be >= 0, got {cfg.max_retries}")
+    if cfg.loss_chunk < 0:
+        raise ConfigError(f"--loss-chunk must be >= 0 (tokens; 0 = whole logits), got {cfg.loss_chunk}")
     if cfg.fidelity_every < 0:
         raise ConfigError(f"--fidelity-every must be >= 0 (steps; 0 = off), got {cfg.fidelity_every}")
     if cfg.loss_scale not in LOSS_SCALES:
@@ -238,8 +241,8 @@ def make_loss_fn(model: TransformerLM):
     def loss_fn(params, batch, rng):
         inputs, targets = batch  # i32[batch, seq] each
         rngs = None if rng is None else {"dropout": rng}
-        logits = model.apply(lm_variables(params), inputs, deterministic=rng is None, rngs=rngs)
-        return cross_entropy_loss(logits, targets)  # logits f32[batch, seq, vocab]
+        # f32[] mean loss: the model takes the head and the loss together (fused when config.loss_chunk > 0)
+        return model.apply(lm_variables(params), inputs, targets, deterministic=rng is None, rngs=rngs)
 
     return loss_fn
 
@@ -277,7 +280,8 @@ def build(cfg: TrainConfig) -> Run:
     policy = make_policy(cfg.precision)
     model_cfg = TransformerConfig(vocab_size=dataset.vocab_size, seq_len=cfg.seq_len,
                                   num_layers=cfg.layers, num_heads=cfg.heads, width=cfg.width, dropout=cfg.dropout,
-                                  use_bias=cfg.bias, fp8=uses_fp8(policy), fp8_amax_history=cfg.fp8_amax_history)
+                                  use_bias=cfg.bias, fp8=uses_fp8(policy), fp8_amax_history=cfg.fp8_amax_history,
+                                  loss_chunk=cfg.loss_chunk)
     model = TransformerLM(model_cfg)
     init_key, state_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
     variables = model.init(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))

@@ -94,13 +94,15 @@ def test_gpu_throughput_tiny(tmp_path):
     assert text in proc.stdout
     assert "device: cpu" in text and "jax " in text
     main_rows, memory_rows = (table_rows(part) for part in text.split("## Memory"))
-    for precision in ("fp32-highest", "fp32", "bf16", "fp16", "fp8"):
+    for precision in ("fp32-highest", "fp32", "bf16", "bf16-fused", "fp16", "fp8"):
         cells = main_rows[precision]
         assert number(cells[0]) > 0 and number(cells[2]) > 0, cells  # step ms, tokens/s
         assert cells[3] == "n/a"  # MFU: no peak for a CPU
         mem = memory_rows[precision]
         assert all(number(c) >= 0 for c in mem), mem
         assert number(mem[-1]) > 0
+    # The fused head + loss starts from the same weights and batch: the same first loss (to the table's 3 decimals).
+    assert main_rows["bf16-fused"][9].split(" -> ")[0] == main_rows["bf16"][9].split(" -> ")[0]
 
 
 def test_gpu_throughput_tiny_on_token_files(tmp_path):
@@ -230,11 +232,21 @@ def test_gpu_check_dry_run(tmp_path):
     # The cuDNN and FP8 GEMM checks need a GPU; the 20-step comparison is left to the GPU run.
     assert "3 passed, 3 skipped, 1 deselected" in (tmp_path / "check.log").read_text()
     results = json.loads((tmp_path / "gpu_throughput.json").read_text())["results"]
-    assert set(results) == {"fp32-highest", "fp32", "bf16", "fp16", "fp8"}
+    assert set(results) == {"fp32-highest", "fp32", "bf16", "bf16-fused", "fp16", "fp8"}
     assert all("error" not in r for r in results.values())
     assert "## fp16:" in (tmp_path / "gpu_profile.md").read_text()
     paired = (tmp_path / "gpu_paired.md").read_text()
     assert "fp16 / bf16 step time: median over rounds" in paired and "| fp16 |" in paired
+
+
+def test_gpu_check_runs_only_the_stages_asked_for(tmp_path):
+    """GPU_CHECK_STAGES picks stages (a short device loan measures what is new first): "none" runs none of them."""
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(tmp_path)], cwd=REPO,
+                          env={**FAST_ENV, "PYTHON": sys.executable, "GPU_CHECK_STAGES": "none"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {p.name for p in tmp_path.iterdir()} == {"env.txt", "check.log"}
+    assert "===" not in (tmp_path / "check.log").read_text()
 
 
 def test_plot_ends_the_loss_scale_at_the_summarys_final_scale(tmp_path):
