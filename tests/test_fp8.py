@@ -67,6 +67,20 @@ def test_fp8_policy_names_and_flag():
     assert get_policy(policy_name(get_policy("fp16;fp8"))) == get_policy("fp16;fp8")
 
 
+def test_the_experiments_fp8_policy_keeps_the_lm_tables_float32():
+    """Under FP8 `params` is the variables dict ("params/wte/embedding"): the LM's tables still stay float32."""
+    from jaxamp.model import TransformerConfig, TransformerLM
+    from jaxamp.train import make_policy
+
+    model = TransformerLM(TransformerConfig(vocab_size=8, seq_len=4, num_layers=1, num_heads=2, width=8, fp8=True))
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    state = TrainState.create(params=variables, tx=optax.sgd(0.1), policy=make_policy("fp8"),
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+    compute = state.compute_params()["params"]
+    assert compute["wte"]["embedding"].dtype == compute["wpe"]["embedding"].dtype == jnp.float32
+    assert compute["h_0"]["mlp"]["c_fc"]["kernel"].dtype == jnp.bfloat16
+
+
 def test_dense_forward_and_backward_round_trip_within_fp8_tolerance():
     """The FP8 Dense against float32: forward within e4m3 rounding (2^-4 relative per operand), the input gradient
     within e5m2 rounding (2^-3), and not equal (it did quantize)."""
