@@ -266,6 +266,37 @@ def test_fp8_ranges_report_saturation_against_the_delayed_scale():
                                      loss_scale=NoOpLossScale(), rng=jax.random.key(0)), make_batch(0), net_loss)
 
 
+class EinsumNet(nn.Module):
+    """Flax's `Fp8Einsum` (its equation comes before the operands)."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (8, 4), jnp.float32).astype(x.dtype)
+        return nn.Fp8Einsum(amax_history_length=HISTORY, name="ein")("bi,io->bo", x, w)
+
+
+def test_fp8_ranges_reads_fp8_einsum_operands_and_frozen_dict_params():
+    import flax
+
+    from jaxamp.fp8_report import fp8_ranges
+
+    net = EinsumNet()
+    state = TrainState.create(params=net.init(jax.random.key(0), jnp.zeros((1, 8))), tx=optax.sgd(0.1),
+                              policy="fp8", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+
+    def loss(params, batch, rng):
+        return jnp.mean(net.apply(params, batch["x"].astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
+
+    batch = make_batch(0)
+    state, _ = STEP(state, batch, loss)
+    state = state.replace(params=flax.core.freeze(state.params))  # a FrozenDict variables dict is one too
+    rows = {r["tensor"]: r for r in fp8_ranges(state, batch, loss)}
+    x_amax = float(jnp.max(jnp.abs(batch["x"].astype(jnp.bfloat16))).astype(jnp.float32))
+    w_amax = float(jnp.max(jnp.abs(state.params["params"]["w"].astype(jnp.bfloat16))).astype(jnp.float32))
+    assert (rows["input"]["amax"], rows["kernel"]["amax"]) == (x_amax, w_amax)
+    assert rows["input"]["layer"] == "ein" and rows["output_grad"]["amax"] > 0
+
+
 FSDP_CHILD = """
 import json, sys
 import jax, numpy as np
