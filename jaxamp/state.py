@@ -259,9 +259,11 @@ def trainable_mask(trainable, params: PyTree) -> tuple[bool, ...] | None:
     if callable(trainable):
         values = [trainable(path, leaf) for path, leaf in flat]
     else:
+        # As plain dicts: a dict prefix fits FrozenDict params and vice versa (both flatten in sorted key order).
+        plain = flax.core.unfreeze(params)
         try:
-            values = treedef.flatten_up_to(
-                jax.tree.map(lambda t, sub: jax.tree.map(lambda _: t, sub), trainable, params))
+            values = jax.tree.structure(plain).flatten_up_to(
+                jax.tree.map(lambda t, sub: jax.tree.map(lambda _: t, sub), flax.core.unfreeze(trainable), plain))
         except (ValueError, TypeError) as err:
             raise ValueError(f"trainable must be a tree of bools shaped like params or a prefix of it, or a "
                              f"callable (path, leaf) -> bool; it does not fit params: {err}") from None

@@ -255,6 +255,22 @@ def test_trainable_errors_name_the_problem():
     assert make(True).trainable is None  # all trainable: the canonical None
 
 
+def test_a_dict_prefix_fits_frozen_dict_params():
+    """`{"enc": False, "head": True}` (the README's form) on FrozenDict params, and a FrozenDict rule on dicts."""
+    import flax
+
+    params = {"enc": {"w": jnp.ones(2, jnp.float32)}, "head": {"w": jnp.ones(2, jnp.float32)}}
+    loss = lambda p, batch, rng: jnp.sum(p["enc"]["w"] * p["head"]["w"])  # noqa: E731
+    rule = {"enc": False, "head": True}
+    for p, t in ((flax.core.freeze(params), rule), (params, flax.core.freeze(rule))):
+        state = TrainState.create(params=p, tx=optax.sgd(0.5), policy="fp32", loss_scale=NoOpLossScale(),
+                                  rng=jax.random.key(0), trainable=t)
+        assert state.trainable == (False, True)
+        new, _ = train_step(state, None, loss)
+        assert new.params["enc"]["w"] is state.params["enc"]["w"]  # frozen: the very array
+        np.testing.assert_array_equal(np.asarray(new.params["head"]["w"]), np.full(2, 0.5, np.float32))
+
+
 # 4. Retry on a NaN that no scale fixes --------------------------------------------------------------------------------
 
 
