@@ -119,13 +119,13 @@ def build(name: str, size: dict):
     import jax.numpy as jnp
     import optax
 
-    from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step
-    from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, count_params
+    from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, train_step
+    from jaxamp.model import TransformerConfig, TransformerLM, count_params
     from jaxamp.precision import uses_fp8
-    from jaxamp.train import lm_variables
+    from jaxamp.train import lm_variables, make_policy
 
     policy_name, dynamic, _, _, loss_chunk = PRECISIONS[name]
-    policy = get_policy(policy_name, keep_float32=LM_KEEP_FLOAT32) if policy_name != "fp32" else get_policy("fp32")
+    policy = make_policy(policy_name)  # the experiment's: embedding tables float32 in the compute copy
     cfg = TransformerConfig(vocab_size=size["vocab"], seq_len=size["seq_len"], num_layers=size["layers"],
                             num_heads=size["heads"], width=size["width"], dropout=0.0, fp8=uses_fp8(policy),
                             loss_chunk=loss_chunk)

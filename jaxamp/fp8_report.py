@@ -28,7 +28,7 @@ import numpy as np
 from flax.linen import fp8_ops
 
 from jaxamp.diagnostics import FloatFormat
-from jaxamp.state import FP8_COLLECTION, TrainState
+from jaxamp.state import FP8_COLLECTION, TrainState, split_fp8
 
 PyTree = Any
 
@@ -56,7 +56,9 @@ class _Fp8Recorder:
         key = "/".join(context.module.path)
         names = [name for _, scale, history in _TENSORS.values() for name in (scale, history)]
         variables = {name: context.module.get_variable(FP8_COLLECTION, name) for name in names}
-        self.captured[key] = {"input": args[0], "kernel": args[1], **variables}
+        # The first two array arguments: (lhs, rhs) of a dot_general op, after the equation of `Fp8Einsum`.
+        lhs, rhs = [a for a in (*args, *kwargs.values()) if hasattr(a, "shape")][:2]
+        self.captured[key] = {"input": lhs, "kernel": rhs, **variables}
         if self.perturb is not None and key in self.perturb:
             out = out + self.perturb[key].astype(out.dtype)
         return out
@@ -132,7 +134,7 @@ def fp8_ranges(state: TrainState, batch: PyTree, loss_fn) -> list[dict]:
     Raises:
       ValueError: the state holds no FP8 collection, or the loss calls no FP8 op.
     """
-    if not isinstance(state.params, dict) or FP8_COLLECTION not in state.params:
+    if split_fp8(state.params)[1] is None:
         raise ValueError("state.params holds no FP8 collection ('_overwrite_with_gradient'): build the model with "
                          "FP8 ops (jaxamp.layers.Dense(fp8=True), TransformerConfig(fp8=True)) and pass its variables")
     captured, grads = jax.jit(lambda p, b: _run(loss_fn, p, b))(state.compute_params(), batch)

@@ -31,6 +31,14 @@ def leaf_path(path) -> str:
     return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
+def _patterns(keep_float32) -> tuple[str, ...]:
+    """`keep_float32` as a tuple; raises ValueError unless it is a sequence of non-empty strings."""
+    if isinstance(keep_float32, str) or not all(isinstance(p, str) and p for p in keep_float32):
+        raise ValueError(f"keep_float32 must be a sequence of fnmatch patterns such as ('*/embedding',), got "
+                         f"{keep_float32!r}")
+    return tuple(keep_float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy(jmp.Policy):
     """A jmp policy with two jaxamp rules: leaves that stay float32 in the compute copy, and FP8 matmuls.
@@ -57,6 +65,10 @@ class Policy(jmp.Policy):
 
     keep_float32: tuple[str, ...] = ()
     fp8: bool = False
+
+    def __post_init__(self) -> None:
+        # A string would be read as one pattern per character, and "*" keeps every leaf float32.
+        object.__setattr__(self, "keep_float32", _patterns(self.keep_float32))
 
     def keeps(self, path: str) -> bool:
         """Whether the leaf at `path` (as `leaf_path` writes it) stays float32 in the compute copy."""
@@ -106,9 +118,7 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
       ValueError: the name is neither a preset nor a jmp policy string, or a rule is unknown (the message lists the
         accepted forms), or `keep_float32` is not a sequence of non-empty strings.
     """
-    if isinstance(keep_float32, str) or not all(isinstance(p, str) and p for p in keep_float32):
-        raise ValueError(f"keep_float32 must be a sequence of fnmatch patterns such as ('*/embedding',), got "
-                         f"{keep_float32!r}")
+    _patterns(keep_float32)
     fp8 = False
     if isinstance(spec, str) and ";" in spec:
         spec, *rules = spec.split(";")

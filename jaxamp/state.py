@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any, Callable
 
 import flax.core
@@ -13,7 +14,7 @@ import numpy as np
 import optax
 
 from jaxamp.loss_scale import LossScale
-from jaxamp.precision import get_policy
+from jaxamp.precision import get_policy, leaf_path
 
 PyTree = Any
 # Flax's FP8 ops keep their scales and amax histories in this collection; the "gradient" of each is its new value.
@@ -136,6 +137,7 @@ class TrainState:
                 f"the master weights are {old.name} but the new policy keeps them in {new.name}: the optimizer state "
                 f"was made for {old.name} weights; switch to a policy with {old.name} master weights (the presets "
                 f"fp32, bf16 and fp16 all keep float32), or start a new run from the weights")
+        _check_keep_float32(policy, split_fp8(self.params)[0])
         return self.replace(policy=policy, loss_scale=loss_scale)
 
     @classmethod
@@ -190,6 +192,7 @@ class TrainState:
                              f"{type(tx).__name__}")
         regular, fp8 = split_fp8(jax.tree_util.tree_map_with_path(_float_array, params))
         regular = policy.cast_to_param(regular)  # the FP8 scales and histories stay float32
+        _check_keep_float32(policy, regular)
         mask = trainable_mask(trainable, regular)
         params = merge_fp8(regular, fp8)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and i32 counts (all float32 here)
@@ -213,6 +216,19 @@ def _check_policy(policy) -> jmp.Policy:
     if not isinstance(policy, jmp.Policy):
         raise ValueError(f"policy must be a jmp.Policy or a spec such as 'fp16', got {type(policy).__name__}")
     return policy
+
+
+def _check_keep_float32(policy: jmp.Policy, params: PyTree) -> None:
+    """Raises when one of the policy's `keep_float32` patterns matches no leaf of `params`: a typo, or a pattern
+    written for another layout (e.g. `"wte/embedding"` for a variables dict, whose paths are `"params/wte/..."`),
+    would otherwise leave that leaf in the compute dtype without a word."""
+    paths = [leaf_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    for pattern in getattr(policy, "keep_float32", ()):
+        if not any(fnmatch.fnmatchcase(path, pattern) for path in paths):
+            tail = pattern.rsplit("/", 1)[-1].strip("*")
+            near = [p for p in paths if tail and tail in p][:3] or paths[:3]
+            raise ValueError(f"keep_float32 pattern {pattern!r} matches no params leaf, so no leaf stays float32 "
+                             f"by it; patterns match whole paths such as {near} (e.g. '*/embedding'): fix or drop it")
 
 
 def split_fp8(params: PyTree) -> tuple[PyTree, PyTree]:
@@ -243,9 +259,11 @@ def trainable_mask(trainable, params: PyTree) -> tuple[bool, ...] | None:
     if callable(trainable):
         values = [trainable(path, leaf) for path, leaf in flat]
     else:
+        # As plain dicts: a dict prefix fits FrozenDict params and vice versa (both flatten in sorted key order).
+        plain = flax.core.unfreeze(params)
         try:
-            values = treedef.flatten_up_to(
-                jax.tree.map(lambda t, sub: jax.tree.map(lambda _: t, sub), trainable, params))
+            values = jax.tree.structure(plain).flatten_up_to(
+                jax.tree.map(lambda t, sub: jax.tree.map(lambda _: t, sub), flax.core.unfreeze(trainable), plain))
         except (ValueError, TypeError) as err:
             raise ValueError(f"trainable must be a tree of bools shaped like params or a prefix of it, or a "
                              f"callable (path, leaf) -> bool; it does not fit params: {err}") from None

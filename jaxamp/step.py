@@ -61,10 +61,11 @@ def _check_grads(grads: PyTree, fp8: PyTree = None) -> _Check:
     With FP8 ops the new amax histories count too: FP8 quantization clips the output gradient to e5m2's range, so an
     overflow (inf) there leaves finite, clipped weight gradients, and only its amax (inf) shows it.
     """
-    leaf_checks = jax.tree.map(_leaf_check, grads)
-    is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
-    sums = jax.tree.leaves(jax.tree.map(lambda c: c[0], leaf_checks, is_leaf=is_pair))
-    flags = jax.tree.map(lambda c: c[1], leaf_checks, is_leaf=is_pair)
+    # Flattened, not `tree.map` + `is_leaf=tuple`: params may hold tuples themselves (e.g. `[(W, b), ...]`).
+    leaves, treedef = jax.tree.flatten(grads)
+    leaf_checks = [_leaf_check(x) for x in leaves]
+    sums = [c[0] for c in leaf_checks]
+    flags = treedef.unflatten([c[1] for c in leaf_checks])
     finite = jnp.all(jnp.stack(jax.tree.leaves(flags))) if sums else jnp.ones((), jnp.bool_)
     if jax.tree.leaves(fp8):
         finite = finite & jnp.all(jnp.stack([_leaf_check(x)[1] for x in jax.tree.leaves(fp8)]))

@@ -188,7 +188,9 @@ def make_policy(precision: str):
     policy = get_policy(precision)
     if jnp.dtype(policy.compute_dtype) == jnp.float32:
         return policy
-    return get_policy(policy, keep_float32=LM_KEEP_FLOAT32)
+    # FP8: `params` is the whole variables dict (the FP8 collection rides along), so the tables sit under "params/".
+    keep = tuple(f"params/{p}" for p in LM_KEEP_FLOAT32) if uses_fp8(policy) else LM_KEEP_FLOAT32
+    return get_policy(policy, keep_float32=keep)
 
 
 def make_loss_scale(cfg: TrainConfig) -> LossScale:

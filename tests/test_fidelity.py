@@ -94,6 +94,29 @@ def test_policy_keep_float32_rule_round_trips_and_casts_only_the_named_leaves():
         get_policy("fp16", keep_float32="wte")
     with pytest.raises(ValueError, match="keep_float32"):
         get_policy("fp16;keep=wte")
+    from jaxamp.precision import Policy
+
+    with pytest.raises(ValueError, match="keep_float32"):  # read per character, "*" would keep every leaf
+        Policy(jnp.float32, jnp.float16, jnp.float32, keep_float32="*embedding")
+    listed = Policy(jnp.float32, jnp.float16, jnp.float32, keep_float32=["wte/embedding"])
+    assert listed.keep_float32 == ("wte/embedding",)
+    assert hash(listed) == hash(get_policy("fp16;keep_float32=wte/embedding"))
+
+
+def test_keep_float32_pattern_that_matches_no_leaf_is_refused():
+    """A typo, or a pattern written for `params` used on a variables dict (FP8), names the paths instead of
+    leaving the table in the compute dtype."""
+    variables = {"params": {"wte": {"embedding": jnp.ones((4, 2))}, "h_0": {"kernel": jnp.ones((2, 2))}}}
+    for keep in (LM_KEEP_FLOAT32[:1], ("*/embeding",)):
+        with pytest.raises(ValueError, match="matches no params leaf.*params/wte/embedding"):
+            TrainState.create(params=variables, tx=optax.sgd(0.1), policy=get_policy("bf16", keep_float32=keep),
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(0))
+    state = TrainState.create(params=variables["params"], tx=optax.sgd(0.1), policy="bf16",
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="matches no params leaf"):
+        state.with_policy(get_policy("bf16", keep_float32=("wte/embeding",)), NoOpLossScale())
+    state = state.with_policy(get_policy("bf16", keep_float32=LM_KEEP_FLOAT32[:1]), NoOpLossScale())
+    assert state.compute_params()["wte"]["embedding"].dtype == jnp.float32
 
 
 def _dots(jaxpr) -> list:
@@ -230,6 +253,22 @@ def test_trainable_errors_name_the_problem():
     with pytest.raises(ValueError, match="does not fit params"):
         make({"other": True})
     assert make(True).trainable is None  # all trainable: the canonical None
+
+
+def test_a_dict_prefix_fits_frozen_dict_params():
+    """`{"enc": False, "head": True}` (the README's form) on FrozenDict params, and a FrozenDict rule on dicts."""
+    import flax
+
+    params = {"enc": {"w": jnp.ones(2, jnp.float32)}, "head": {"w": jnp.ones(2, jnp.float32)}}
+    loss = lambda p, batch, rng: jnp.sum(p["enc"]["w"] * p["head"]["w"])  # noqa: E731
+    rule = {"enc": False, "head": True}
+    for p, t in ((flax.core.freeze(params), rule), (params, flax.core.freeze(rule))):
+        state = TrainState.create(params=p, tx=optax.sgd(0.5), policy="fp32", loss_scale=NoOpLossScale(),
+                                  rng=jax.random.key(0), trainable=t)
+        assert state.trainable == (False, True)
+        new, _ = train_step(state, None, loss)
+        assert new.params["enc"]["w"] is state.params["enc"]["w"]  # frozen: the very array
+        np.testing.assert_array_equal(np.asarray(new.params["head"]["w"]), np.full(2, 0.5, np.float32))
 
 
 # 4. Retry on a NaN that no scale fixes --------------------------------------------------------------------------------

@@ -67,6 +67,20 @@ def test_fp8_policy_names_and_flag():
     assert get_policy(policy_name(get_policy("fp16;fp8"))) == get_policy("fp16;fp8")
 
 
+def test_the_experiments_fp8_policy_keeps_the_lm_tables_float32():
+    """Under FP8 `params` is the variables dict ("params/wte/embedding"): the LM's tables still stay float32."""
+    from jaxamp.model import TransformerConfig, TransformerLM
+    from jaxamp.train import make_policy
+
+    model = TransformerLM(TransformerConfig(vocab_size=8, seq_len=4, num_layers=1, num_heads=2, width=8, fp8=True))
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    state = TrainState.create(params=variables, tx=optax.sgd(0.1), policy=make_policy("fp8"),
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+    compute = state.compute_params()["params"]
+    assert compute["wte"]["embedding"].dtype == compute["wpe"]["embedding"].dtype == jnp.float32
+    assert compute["h_0"]["mlp"]["c_fc"]["kernel"].dtype == jnp.bfloat16
+
+
 def test_dense_forward_and_backward_round_trip_within_fp8_tolerance():
     """The FP8 Dense against float32: forward within e4m3 rounding (2^-4 relative per operand), the input gradient
     within e5m2 rounding (2^-3), and not equal (it did quantize)."""
@@ -250,6 +264,37 @@ def test_fp8_ranges_report_saturation_against_the_delayed_scale():
     with pytest.raises(ValueError, match="no FP8 collection"):
         fp8_ranges(TrainState.create(params={"w": jnp.ones(2)}, tx=optax.sgd(1.0), policy="bf16",
                                      loss_scale=NoOpLossScale(), rng=jax.random.key(0)), make_batch(0), net_loss)
+
+
+class EinsumNet(nn.Module):
+    """Flax's `Fp8Einsum` (its equation comes before the operands)."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (8, 4), jnp.float32).astype(x.dtype)
+        return nn.Fp8Einsum(amax_history_length=HISTORY, name="ein")("bi,io->bo", x, w)
+
+
+def test_fp8_ranges_reads_fp8_einsum_operands_and_frozen_dict_params():
+    import flax
+
+    from jaxamp.fp8_report import fp8_ranges
+
+    net = EinsumNet()
+    state = TrainState.create(params=net.init(jax.random.key(0), jnp.zeros((1, 8))), tx=optax.sgd(0.1),
+                              policy="fp8", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+
+    def loss(params, batch, rng):
+        return jnp.mean(net.apply(params, batch["x"].astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
+
+    batch = make_batch(0)
+    state, _ = STEP(state, batch, loss)
+    state = state.replace(params=flax.core.freeze(state.params))  # a FrozenDict variables dict is one too
+    rows = {r["tensor"]: r for r in fp8_ranges(state, batch, loss)}
+    x_amax = float(jnp.max(jnp.abs(batch["x"].astype(jnp.bfloat16))).astype(jnp.float32))
+    w_amax = float(jnp.max(jnp.abs(state.params["params"]["w"].astype(jnp.bfloat16))).astype(jnp.float32))
+    assert (rows["input"]["amax"], rows["kernel"]["amax"]) == (x_amax, w_amax)
+    assert rows["input"]["layer"] == "ein" and rows["output_grad"]["amax"] > 0
 
 
 FSDP_CHILD = """

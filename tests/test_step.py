@@ -168,6 +168,25 @@ def test_one_pass_check_agrees_with_all_finite_finite_leaves_and_optax_norm(bad)
     assert bool(empty.finite) and float(empty.norm) == 0.0
 
 
+def test_params_made_of_tuples_skip_a_non_finite_step():
+    """`[(W, b)]` params (tuples inside the tree): an inf gradient of W skips the step; the norm is exact."""
+    params = [(jnp.ones((2, 2), jnp.float32), jnp.zeros((2,), jnp.float32))]
+
+    def loss(p, batch, rng):
+        w, b = p[0]
+        return jnp.sum(jnp.sqrt(w - batch)) + jnp.sum(b)  # sqrt'(0) = inf: W's gradient is inf
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="fp32", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(0))
+    new, metrics = step(state, jnp.float32(1.0), loss)
+    assert not bool(metrics["grads_finite"])
+    assert jax.tree.leaves(metrics["grads_finite_leaves"]) == [False, True]
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), new.params, state.params))
+    _, metrics = step(state, jnp.float32(0.0), loss)  # W - 0 = 1: finite; |dW| = 0.5, |db| = 1
+    assert bool(metrics["grads_finite"])
+    assert float(metrics["grad_norm"]) == pytest.approx((4 * 0.25 + 2 * 1.0) ** 0.5, rel=1e-6)
+
+
 def test_underflow_needs_loss_scaling():
     """Unscaled float16 gradients of ~1e-8 flush to zero; scaled by 2^15 they match float32 within 1%."""
     a = jax.random.uniform(jax.random.key(1), (1000,), minval=0.5e-4, maxval=2e-4)
