@@ -146,6 +146,8 @@ def _bad_dirs(tmp_path: Path):
         ("short", lambda d: np.array([1, 2, 3], np.uint16).tofile(d / "val.bin"), "holds 3 tokens"),
         ("evil_meta", lambda d: (d / "meta.pkl").write_bytes(pickle.dumps(Evil())), "refers to posix.system"),
         ("list_meta", lambda d: (d / "meta.pkl").write_bytes(pickle.dumps([65])), "no integer vocab_size"),
+        ("huge_meta", lambda d: (d / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 10**9})),
+         "has vocab_size 1,000,000,000, more than uint16 token ids can address (65,536)"),  # was an OOM traceback
     ]:
         d = tmp_path / name
         d.mkdir()
