@@ -257,6 +257,9 @@ def test_bpe_corpus_is_cached_once_and_checked_on_reuse(tmp_path):
     ids.tofile(train_bin)
     with pytest.raises(DataError, match="train.bin is not the file meta.json describes"):
         load_corpus(text_file, **kw)
+    (kw["bpe_dir"] / "tokenizer.json").unlink()  # was silently trained anew, and the cache never rewritten
+    with pytest.raises(DataError, match=r"tokenizer.json cannot be read \(\[Errno 2\] No such file"):
+        load_corpus(text_file, **kw)
 
 
 # ---- presets --------------------------------------------------------------------------------------------------------
