@@ -264,6 +264,7 @@ class Checkpointer:
                 create=True,
                 cleanup_tmp_directories=True,
                 enable_async_checkpointing=self._async,
+                lightweight_initialize=True,  # orbax would parse each step's "metrics" item: a damaged one raised
             )
             self._manager = ocp.CheckpointManager(self._dir, options=options, item_names=_ITEMS)
         return self._manager
@@ -321,7 +322,11 @@ class Checkpointer:
             raise CheckpointError(
                 f"cannot save step {label} in {self._dir}: it holds newer step folders {newer} (orbax saves only "
                 f"steps newer than the newest folder); remove them or use another directory")
-        manager.reload()  # orbax caches its step list; steps removed by hand must not block this save
+        # orbax caches its step list, and steps removed by hand must not block this save: a fresh writer lists them
+        # anew (reload() would parse every step's "metrics" item as orbax's own metrics: a damaged one raised)
+        self._manager = None
+        manager.close()
+        manager = self._writer()
         integrity = sealed(integrity_record(state, config, self._checksums, metrics))
         items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config),
                  "integrity": ocp.args.JsonSave(integrity)}
@@ -510,7 +515,8 @@ class Checkpointer:
         return jax.tree.map(fix, abstract_state)
 
     def _reader(self) -> ocp.CheckpointManager:
-        options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False)
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False,
+                                               lightweight_initialize=True)  # see _writer
         return ocp.CheckpointManager(self._dir, options=options, item_names=_ITEMS)
 
     def _restore_step(self, n: int, target, expected_config, match_keys) -> tuple[TrainState, dict]:

@@ -133,7 +133,7 @@ def _bpe_corpus(text: str, source: str, vocab_size: int | None, seq_len: int, bp
                         f"tokens included), got {vocab_size}; e.g. --vocab-size 1024")
     text_sha = hashlib.sha256(text.encode()).hexdigest()
     split = int(len(text) * (1 - VAL_FRACTION))
-    if (bpe_dir / "tokenizer.json").exists():
+    if bpe_dir.exists():  # write_bpe_cache makes it whole or not at all: a missing file there is damage
         tok, train, val, meta = _read_bpe_cache(bpe_dir, text_sha, vocab_size, seq_len)
         cache = None
     else:
@@ -168,8 +168,11 @@ def _read_bpe_cache(bpe_dir: Path, text_sha: str, vocab_size: int, seq_len: int)
     if meta.get("vocab_size") != vocab_size:
         raise DataError(f"the tokenizer in {bpe_dir} was trained with --vocab-size {meta.get('vocab_size')}, not "
                         f"{vocab_size}; pass --vocab-size {meta.get('vocab_size')}, or a new --workdir")
-    tok = BPETokenizer.from_json((bpe_dir / "tokenizer.json").read_text(encoding="utf-8"),
-                                 str(bpe_dir / "tokenizer.json"))
+    try:
+        tok_json = (bpe_dir / "tokenizer.json").read_text(encoding="utf-8")
+    except (OSError, ValueError) as err:
+        raise DataError(f"{bpe_dir / 'tokenizer.json'} cannot be read ({err}); {fix}") from None
+    tok = BPETokenizer.from_json(tok_json, str(bpe_dir / "tokenizer.json"))
     files = []
     for split in ("train", "val"):
         file = token_file(bpe_dir, f"{split}.bin", seq_len)

@@ -254,14 +254,16 @@ _JITTED = {False: jax.jit(_step_arrays, static_argnames=_STATIC),
 
 def _arrays_of(nodes) -> tuple[Any, list, list]:
     """`(structure, variables, arrays)` of `nodes`: the JAX pytree view (fast) unless a variable is shared (a tied
-    weight would appear twice in it) or holds more than one array; then NNX's graph view."""
+    weight would appear twice in it) or holds more than one array, or an array is held outside a variable (a plain
+    attribute); then NNX's graph view, in which such an array's place in `variables` holds its path instead."""
     variables = jax.tree.leaves(nodes, is_leaf=_is_variable)
     if len({id(v) for v in variables}) == len(variables) and all(map(_is_variable, variables)):
         structure, arrays = _flatten(nodes, graph=False)
         if len(arrays) == len(variables):
             return structure, variables, arrays
     structure, flat = nnx.flatten(nodes, with_paths=True)
-    return structure, list(flat.leaves), [v.get_raw_value() for v in flat.leaves]
+    variables = [v if _is_variable(v) else path for path, v in zip(flat.paths, flat.leaves)]
+    return structure, variables, [v.get_raw_value() if _is_variable(v) else v for v in flat.leaves]
 
 
 def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callable[[nnx.Module, PyTree], Any], *,
@@ -328,6 +330,12 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
     structure, variables, arrays = _arrays_of((model, opt))
     new_arrays, metrics = _JITTED[bool(donate)](structure, arrays, batch, loss_fn, accum_steps, on_overflow,
                                                 max_retries, underflow_stats)
+    raw = []  # (path, array) of arrays held outside a variable
     for variable, value in zip(variables, new_arrays):
-        variable.set_raw_value(value)
+        if _is_variable(variable):
+            variable.set_raw_value(value)
+        else:
+            raw.append((variable, value))
+    if raw:
+        nnx.update((model, opt), nnx.State.from_flat_path(raw))
     return metrics

@@ -28,6 +28,7 @@ __all__ = ["GPT2_VOCAB_SIZE", "TokenDir", "open_token_dir", "token_file", "read_
 GPT2_VOCAB_SIZE = 50304  # GPT-2's 50257 BPE ids padded up to a multiple of 64 (nanoGPT's default vocab_size)
 SPLITS = ("train.bin", "val.bin")
 _TOKEN_DTYPE = np.dtype("<u2")  # nanoGPT's uint16, little-endian
+_MAX_VOCAB = 2**16  # ids a uint16 file can hold; a larger meta.pkl vocab_size is refused
 _BLOCKS = 32  # blocks hashed (and checked for out-of-vocabulary ids) per file
 _BLOCK_BYTES = 256 * 1024  # bytes per block: files up to 8 MiB are hashed and checked whole
 _META_MAX_BYTES = 16 * 2**20  # a larger meta.pkl is refused unread (nanoGPT's is a few kB)
@@ -173,8 +174,8 @@ def read_meta(path: str | os.PathLike[str]) -> dict:
 
     Raises:
         DataError: If the file is larger than 16 MiB, not a pickle of plain values (e.g. it names a class), not a
-            dict with an int ``vocab_size`` >= 1, or has an ``itos`` that is not ``{int: str}``; the message asks
-            for ``--vocab-size``.
+            dict with an int ``vocab_size`` in [1, 65536], or has an ``itos`` that is not ``{int: str}``; the
+            message asks for ``--vocab-size``.
     """
     path = Path(path)
     fix = "pass --vocab-size N to ignore it"
@@ -194,6 +195,9 @@ def read_meta(path: str | os.PathLike[str]) -> dict:
     if type(vocab) is not int or vocab < 1:  # noqa: E721 - bool is not a vocabulary size
         raise DataError(f"{path} has no integer vocab_size >= 1 (nanoGPT writes {{'vocab_size': ..., 'itos': ..., "
                         f"'stoi': ...}}); {fix}")
+    if vocab > _MAX_VOCAB:
+        raise DataError(f"{path} has vocab_size {vocab:,}, more than uint16 token ids can address ({_MAX_VOCAB:,}); "
+                        f"{fix}")
     itos = meta.get("itos")
     if itos is not None and not (isinstance(itos, dict) and all(
             type(k) is int and isinstance(v, str) for k, v in itos.items())):  # noqa: E721

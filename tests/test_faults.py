@@ -321,6 +321,27 @@ def test_a_damaged_record_or_metrics_copy_makes_the_step_unusable(tmp_path, dama
     assert any(f"step 2 in {tmp_path} is unusable ({reason})" in str(w.message) for w in caught), caught
 
 
+def test_a_metrics_copy_that_is_not_json_is_not_parsed_by_orbax(tmp_path):
+    """Input that failed: checkpoints/25/metrics/metrics truncated to half its bytes. orbax's CheckpointManager reads
+    an item named "metrics" as its own metrics (on creation and on reload()), so the run ended in a JSONDecodeError
+    traceback (exit 1) instead of falling back to the previous step; damage in an older step broke the next save."""
+    with Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2, 3):
+            assert ckpt.save(_tiny_state(step), {"n": step}, metrics=[_record(s) for s in range(1, step + 1)])
+    for step in (1, 3):
+        (victim,) = [p for p in (tmp_path / str(step) / "metrics").iterdir() if p.name != "commit_success.txt"]
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Checkpointer(tmp_path) as ckpt:
+            state, config = ckpt.restore(jax.eval_shape(lambda: _tiny_state()))
+            assert int(state.step) == 2 and config == {"n": 2}
+            assert ckpt.metrics(2) == [_record(1), _record(2)]
+            assert ckpt.save(_tiny_state(4), {"n": 4}, metrics=[_record(s) for s in range(1, 5)])
+    assert any(f"step 3 in {tmp_path} is unusable (cannot read its metrics copy" in str(w.message) for w in caught)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["2", "3", "4"]  # keep=3 dropped 1
+
+
 # ---- a signal after the flush check --------------------------------------------------------------------------
 
 

@@ -146,6 +146,8 @@ def _bad_dirs(tmp_path: Path):
         ("short", lambda d: np.array([1, 2, 3], np.uint16).tofile(d / "val.bin"), "holds 3 tokens"),
         ("evil_meta", lambda d: (d / "meta.pkl").write_bytes(pickle.dumps(Evil())), "refers to posix.system"),
         ("list_meta", lambda d: (d / "meta.pkl").write_bytes(pickle.dumps([65])), "no integer vocab_size"),
+        ("huge_meta", lambda d: (d / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 10**9})),
+         "has vocab_size 1,000,000,000, more than uint16 token ids can address (65,536)"),  # was an OOM traceback
     ]:
         d = tmp_path / name
         d.mkdir()
@@ -254,6 +256,9 @@ def test_bpe_corpus_is_cached_once_and_checked_on_reuse(tmp_path):
     ids[5] ^= 1
     ids.tofile(train_bin)
     with pytest.raises(DataError, match="train.bin is not the file meta.json describes"):
+        load_corpus(text_file, **kw)
+    (kw["bpe_dir"] / "tokenizer.json").unlink()  # was silently trained anew, and the cache never rewritten
+    with pytest.raises(DataError, match=r"tokenizer.json cannot be read \(\[Errno 2\] No such file"):
         load_corpus(text_file, **kw)
 
 

@@ -383,6 +383,36 @@ def tied_loss(model, batch):
     return jnp.mean((out[:, :2] - batch["y"]) ** 2)
 
 
+class ScaledLinear(nnx.Module):
+    """A Linear times a plain array attribute (no nnx.Variable around it; NNX treats it as data)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(4, 2, rngs=rngs)
+        self.gain = jnp.array([2.0, 0.5])
+
+    def __call__(self, x):
+        return self.lin(x) * self.gain.astype(x.dtype)
+
+
+def test_a_plain_array_attribute_trains_like_plain_nnx():
+    """Input that failed: a model holding `self.gain = jnp.array(...)` (no Variable) made train_step raise
+    AttributeError ('ArrayImpl' object has no attribute 'get_raw_value') on the first call."""
+    def linear_loss(model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    ours, plain = ScaledLinear(nnx.Rngs(0)), ScaledLinear(nnx.Rngs(0))
+    opt = Optimizer(ours, optax.sgd(0.1), policy="fp32", loss_scale=NoOpLossScale())
+    plain_opt = nnx.Optimizer(plain, optax.sgd(0.1), wrt=nnx.Param)
+    for i in range(3):
+        metrics = train_step(ours, opt, make_batch(i), linear_loss)
+        loss, grads = nnx.value_and_grad(linear_loss)(plain, make_batch(i))
+        plain_opt.update(plain, grads)
+        np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(ours.lin.kernel[...]), np.asarray(plain.lin.kernel[...]), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(ours.gain), np.array([2.0, 0.5], np.float32))  # written back as it was
+    assert int(opt.step[...]) == 3
+
+
 def test_a_shared_variable_trains_once_and_donation_gives_the_same_step():
     ours, plain, donated = TiedMLP(nnx.Rngs(0)), TiedMLP(nnx.Rngs(0)), TiedMLP(nnx.Rngs(0))
     opt = Optimizer(ours, adam(), policy="fp32", loss_scale=NoOpLossScale())
