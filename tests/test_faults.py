@@ -85,11 +85,13 @@ def test_a_save_that_cannot_be_written_ends_in_one_line(tmp_path):
     before the error line. Now the error line alone, naming the step, the OS error and how to resume."""
     corpus = _small_corpus(tmp_path / "corpus.txt")
     workdir = tmp_path / "run"
-    limit = 64 * 1024  # below the step's array file (about 300 kB), above metrics.jsonl and the event file
+    # Below one array of the state (an f32[128, 512] MLP kernel is 256 kB), above metrics.jsonl and the event file.
+    # (Width 32 made every array smaller than the limit: on a loaded machine tensorstore sometimes wrote them in
+    # several data files each under 64 kB, and the step-4 save went through.)
+    limit = 64 * 1024
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), *_quick(corpus), "--layers", "1", "--steps", "8", "--checkpoint-every", "4",
-         "--workdir",
-         str(workdir)], cwd=REPO, capture_output=True, text=True, timeout=240,
+        [sys.executable, str(SCRIPT), *_quick(corpus), "--layers", "1", "--width", "128", "--steps", "8",
+         "--checkpoint-every", "4", "--workdir", str(workdir)], cwd=REPO, capture_output=True, text=True, timeout=240,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr == (f"error: saving step 4 to {workdir / 'checkpoints'} failed: File too large (EFBIG); "
