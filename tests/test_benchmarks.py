@@ -287,3 +287,16 @@ def test_cpu_step_tiny(tmp_path, text_corpus):
     assert [number(c) for c in exact[:3]] == [0, 0, 0] and number(erf[2]) > 1000  # erf form: wrong in the tail
     shares = [number(v[1]) for k, v in rows.items() if k.startswith(("matmuls", "GELU", "attention core"))]
     assert len(shares) == 3 and all(0 <= s <= 100 for s in shares)
+
+
+def test_fused_loss_tiny():
+    """benchmarks/fused_loss.py at a tiny size: 64-token blocks hold under half the whole-logits temporary memory,
+    give the same loss, and their gradient error against float32 is the whole-logits path's."""
+    proc = run_script("benchmarks/fused_loss.py", "--tiny", "--steps", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = table_rows(proc.stdout)
+    whole, fused = rows["0 (whole logits)"], rows["64"]
+    assert number(whole[1]) == 1.0 and number(fused[1]) < 0.5  # temp / whole
+    assert number(fused[4]) < 1e-5 and number(fused[5].split()[0]) < 0.01  # loss and gradient against whole
+    err32 = [number(r[6].split()[0]) for r in (whole, fused)]
+    assert 0 < err32[1] < 1.5 * err32[0], err32  # bf16's own error, not more
