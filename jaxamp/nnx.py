@@ -21,6 +21,12 @@ with the non-`wrt` state as a carry that `loss_fn` may change. Its `loss_fn(para
 compute-dtype params with the carry into a fresh model (`nnx.merge`, inside the differentiated function, so NNX's
 mutations happen at the trace that owns the variables) and calls the user's `loss_fn(model, batch)`. The new params,
 optimizer state, loss scale and step go back into `opt`, the new params and carry into `model`.
+
+FP8: `Fp8DotGeneral` is an NNX FP8 matmul (`nnx.Linear(..., dot_general=Fp8DotGeneral())`), Flax's
+`Fp8DirectDotGeneralOp` as an NNX module: its scales and amax histories are `Fp8Meta` variables, the NNX form of
+linen's `"_overwrite_with_gradient"` collection (the bridge maps one to the other). The step puts them into the
+`TrainState`'s params under that collection's name, beside the `wrt` variables, so the functional core's FP8
+handling applies unchanged (see `jaxamp.train_step`).
 """
 
 from __future__ import annotations
@@ -32,16 +38,94 @@ import jax
 import jax.numpy as jnp
 import jmp
 import optax
+from flax.linen import fp8_ops
+from flax.nnx import variablelib
 from flax.nnx.training.optimizer import OptArray, OptState, to_opt_state
 
 from jaxamp.loss_scale import LossScale
-from jaxamp.state import TrainState
+from jaxamp.state import FP8_COLLECTION, TrainState, split_fp8
 from jaxamp.step import train_step_with_carry
 
-__all__ = ["Optimizer", "train_step"]
+__all__ = ["Fp8DotGeneral", "Fp8Meta", "Optimizer", "train_step"]
 
 PyTree = Any
 _RNG = (2,)  # TrainState.rng's shape: unused here (randomness comes from the model's nnx.Rngs), kept constant
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# FP8.
+
+
+class Fp8Meta(nnx.Variable):
+    """An FP8 scale or amax history (float32): a variable whose "gradient" is its new value.
+
+    The NNX form of linen's `"_overwrite_with_gradient"` collection (registered under that name, so
+    `nnx.bridge.ToNNX` maps a linen FP8 op's variables to this type). `train_step` differentiates these variables
+    and takes their "gradient" as their new value, as `jaxamp.train_step` does with the linen collection.
+    """
+
+
+if FP8_COLLECTION not in variablelib.VariableTypeCache:
+    nnx.register_variable_name(FP8_COLLECTION, Fp8Meta)
+# The FP8 variables: `Fp8Meta`, and whatever type the collection name was registered to before this module ran.
+_FP8 = nnx.Any(Fp8Meta, variablelib.variable_type_from_name(FP8_COLLECTION))
+
+
+class Fp8DotGeneral(nnx.Module):
+    """Flax's `Fp8DirectDotGeneralOp` as an NNX module: a `dot_general` in FP8 with delayed per-tensor scaling.
+
+    Inputs and kernels are quantized to e4m3 and output gradients to e5m2, each with a scale from its amax history
+    (the largest |x| of the last `amax_history_length` steps over 448 or 57344), the same functions
+    (`flax.linen.fp8_ops.fp8_scaled_dot_general`) and variable names as the linen op. As `jaxamp.layers.Dense(fp8=True)`
+    does, float16 compute quantizes and accumulates in float32 (float16 cannot hold the sum of FP8 products before
+    dequantization, up to 448^2 per term) and casts the result back. Give each layer its own:
+
+        nnx.Linear(784, 256, dot_general=Fp8DotGeneral(), rngs=rngs)
+
+    Attributes:
+      input_scale, kernel_scale, output_grad_scale: `Fp8Meta` of f32[1], initially 1.
+      input_amax_history, kernel_amax_history, output_grad_amax_history: `Fp8Meta` of f32[amax_history_length],
+        initially 0; the newest amax at index 0.
+    """
+
+    def __init__(self, amax_history_length: int = 1024):
+        """Zero histories and unit scales.
+
+        Args:
+          amax_history_length: steps of amax history per tensor (1024, as the linen op and Transformer Engine).
+        """
+        for tensor in ("input", "kernel", "output_grad"):
+            setattr(self, f"{tensor}_amax_history", Fp8Meta(jnp.zeros((amax_history_length,), jnp.float32)))
+            setattr(self, f"{tensor}_scale", Fp8Meta(jnp.ones((1,), jnp.float32)))
+
+    def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,
+                 preferred_element_type=None, **kwargs) -> jax.Array:
+        """`lax.dot_general(lhs, rhs, dimension_numbers)` through FP8, in `rhs`'s (the kernel's) dtype.
+
+        Args:
+          lhs: the inputs, any float dtype (cast to `rhs.dtype`, as the linen op does).
+          rhs: the kernel, in the compute dtype (e.g. bf16[in, out]).
+          dimension_numbers: as for `lax.dot_general`.
+          precision, preferred_element_type, kwargs: ignored, as by the linen op (the FP8 matmul fixes them; the
+            output is in the compute dtype).
+
+        Returns:
+          The product in `rhs.dtype`.
+        """
+        del precision, preferred_element_type, kwargs
+        dtype = jnp.float32 if rhs.dtype == jnp.float16 else rhs.dtype  # the dtype the FP8 op runs in
+        lhs, kernel = jnp.asarray(lhs, rhs.dtype).astype(dtype), rhs.astype(dtype)
+        out = fp8_ops.fp8_scaled_dot_general(
+            lhs, kernel, dimension_numbers, preferred_element_type=dtype,
+            lhs_scale=self.input_scale[...], rhs_scale=self.kernel_scale[...],
+            grad_scale=self.output_grad_scale[...], lhs_amax_history=self.input_amax_history[...],
+            rhs_amax_history=self.kernel_amax_history[...], grad_amax_history=self.output_grad_amax_history[...],
+            quantize_compute_type=dtype)
+        return out.astype(rhs.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The optimizer.
 
 
 def _is_variable(x) -> bool:
@@ -99,9 +183,10 @@ class Optimizer(nnx.Pytree):
             `keep_float32` rules matched against paths such as `"encoder/embed/embedding"`).
           loss_scale: a jaxamp `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`.
           wrt: an NNX filter (`nnx.Param`, `nnx.All(nnx.Param, nnx.PathContains("head"))`, ...): the variables
-            this optimizer owns. They must be float arrays. `loss_fn` sees them in the compute dtype; all other
-            variables (Params outside `wrt` included) stay as they are, are not differentiated and are never
-            changed by the update (a way to freeze parts of the model, which then compute in their own dtype).
+            this optimizer owns (never the `Fp8Meta` variables: `train_step` updates those itself). They must be
+            float arrays. `loss_fn` sees them in the compute dtype; all other variables (Params outside `wrt`
+            included) stay as they are, are not differentiated and are never changed by the update (a way to
+            freeze parts of the model, which then compute in their own dtype).
           trainable: `TrainState.create`'s rule over the `wrt` variables (a bool tree or prefix keyed like
             `nnx.state(model, wrt)`, or a callable `(path, leaf) -> bool`): frozen leaves are still cast to the
             compute dtype but are not differentiated, hold no optimizer state and stay bitwise unchanged.
@@ -111,11 +196,11 @@ class Optimizer(nnx.Pytree):
             `TrainState.create` (bad `tx`, `policy`, `loss_scale` or `trainable`).
         """
         _check_model(model)
-        params = _wrt_params(model, wrt)
+        params = _model_params(model, wrt)
         state = TrainState.create(params=params, tx=tx, policy=policy, loss_scale=loss_scale,
                                   rng=jnp.zeros(_RNG, jnp.uint32), trainable=trainable)
         if jax.tree.map(jnp.result_type, state.params) != jax.tree.map(jnp.result_type, params):
-            nnx.update(model, state.params)  # master weights in the policy's param dtype (written only if cast)
+            _update_model(model, state.params)  # master weights in the policy's param dtype (only if cast)
         self.tx, self.policy, self.wrt, self.trainable = tx, state.policy, wrt, state.trainable
         self.params_structure = jax.tree.structure(state.params)
         self.step = OptState(state.step)
@@ -124,6 +209,10 @@ class Optimizer(nnx.Pytree):
 
     def train_state(self, model: nnx.Module, *, whole_model: bool = False) -> TrainState:
         """This optimizer and `model`'s `wrt` variables as a jaxamp `TrainState` (plain arrays, no copies).
+
+        A model with `Fp8Meta` variables has them in `params` too, under `FP8_COLLECTION` (`"_overwrite_with_gradient"`,
+        keyed like the model: `params["_overwrite_with_gradient"]["l1"]["dot_general"]["input_scale"]`), where
+        `jaxamp.train_step` handles a linen model's FP8 collection.
 
         Args:
           model: the model this optimizer was built for.
@@ -146,11 +235,11 @@ class Optimizer(nnx.Pytree):
     def load_train_state(self, model: nnx.Module, state: TrainState) -> None:
         """Writes a `train_state(model, whole_model=True)`-shaped state (e.g. restored from a checkpoint) into
         `model` and this optimizer, in place. (`train_state(model)`'s `wrt`-only form loads as well.)"""
-        nnx.update(model, state.params)
+        _update_model(model, state.params)
         self._load(state)
 
     def _params_of(self, model) -> PyTree:
-        params = _wrt_params(model, self.wrt)
+        params = _model_params(model, self.wrt)
         if jax.tree.structure(params) != self.params_structure:
             raise ValueError("the model's wrt variables do not match this Optimizer's (another model, or a model "
                              "whose structure changed); build the Optimizer from this model")
@@ -161,6 +250,32 @@ class Optimizer(nnx.Pytree):
         self.step.set_value(state.step)
         _assign(self.opt_state, state.opt_state)
         _assign(self.loss_scale, state.loss_scale)
+
+
+def _trained(wrt):
+    """The filter of the variables an optimizer with `wrt` trains: `wrt` without the FP8 variables."""
+    return nnx.All(wrt, nnx.Not(_FP8))
+
+
+def _model_params(model, wrt) -> PyTree:
+    """`TrainState.params` of `model`: its `wrt` variables as plain arrays keyed like the model's attributes
+    (`{"l1": {"kernel": f32[4, 32]}}`), plus, when it has `Fp8Meta` variables, those under `FP8_COLLECTION`
+    (`{..., "_overwrite_with_gradient": {"l1": {"dot_general": {"input_scale": f32[1], ...}}}}`), where
+    `jaxamp.train_step` finds a linen model's FP8 collection."""
+    params = _wrt_params(model, _trained(wrt))
+    fp8 = _pure(nnx.state(model, _FP8))
+    if not fp8:
+        return params
+    if FP8_COLLECTION in params:
+        raise ValueError(f"the model has an attribute named {FP8_COLLECTION!r}, the name under which jaxamp keeps "
+                         "the FP8 variables; rename it")
+    return {**params, FP8_COLLECTION: fp8}
+
+
+def _update_model(model, params: PyTree, *more: PyTree) -> None:
+    """`nnx.update(model, params, *more)` for `_model_params`-shaped (or whole-model) `params`."""
+    regular, fp8 = split_fp8(params)
+    nnx.update(model, regular, *([] if fp8 is None else [fp8]), *more)
 
 
 def _wrt_params(model, wrt) -> PyTree:
@@ -204,18 +319,20 @@ def _like(new: PyTree, old: PyTree) -> PyTree:
 
 def _step_in_place(model, opt: Optimizer, batch, loss_fn, options: dict) -> dict:
     """The traced step: split, `train_step_with_carry`, write back. Returns the metrics."""
-    graphdef, _, rest = nnx.split(model, opt.wrt, ...)
+    trained = _trained(opt.wrt)
+    graphdef, _, _, rest = nnx.split(model, trained, _FP8, ...)
     rest = _pure(rest)
-    state = opt.train_state(model)
+    state = opt.train_state(model)  # params: the `wrt` variables, and the FP8 ones under FP8_COLLECTION
 
     def functional_loss(params_c, batch, rng, carry):
         del rng  # NNX modules draw from their own nnx.Rngs streams (carried in `carry`)
-        inner = nnx.merge(graphdef, params_c, carry)  # fresh variables at this trace level
+        regular, fp8 = split_fp8(params_c)  # the FP8 variables: differentiated, their "gradient" the new value
+        inner = nnx.merge(graphdef, regular, {} if fp8 is None else fp8, carry)  # fresh variables at this level
         out = loss_fn(inner, batch)
-        return out, _like(_pure(nnx.split(inner, opt.wrt, ...)[2]), carry)
+        return out, _like(_pure(nnx.split(inner, trained, _FP8, ...)[3]), carry)
 
     new_state, metrics, new_rest = train_step_with_carry(state, batch, functional_loss, rest, **options)
-    nnx.update(model, new_state.params, _keep_finite(new_rest, rest))
+    _update_model(model, new_state.params, _keep_finite(new_rest, rest))
     opt._load(new_state)  # pylint: disable=protected-access
     return metrics
 
@@ -288,6 +405,12 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
       same dropout masks; the state of the last attempt is kept (RNG counts advance once);
     - with `accum_steps` > 1 the micro-batches run in order, each from the state the previous one left (each draws
       new dropout masks; BatchNorm statistics update once per micro-batch, as k forward passes would).
+
+    FP8 (`Fp8DotGeneral`, or a linen FP8 op through `nnx.bridge`): the model's `Fp8Meta` variables (scales and amax
+    histories) go into the step as the linen FP8 collection does, whatever `wrt` says: float32, not cast, their
+    "gradient" taken as their new value, stored loss-scale free (bitwise the same under any power-of-2 static
+    scale), combined over micro-batches by element-wise maximum, kept bitwise on a skipped step, their new amax
+    values part of the finite check, and no part of the optax update, `grad_norm` or clipping.
 
     The step is compiled: every call goes through one cached `jax.jit` that takes and returns plain arrays (the
     split/merge fast path of NNX's performance guide, with JAX's own pytree flattening of the model and optimizer,

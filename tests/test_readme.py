@@ -44,7 +44,7 @@ def _section_blocks(heading: str) -> str:
 
 
 def test_readme_nnx_examples_run(tmp_path):
-    """The NNX section's MLP, Transformer block and checkpoint examples, in one script (standard promotion: Flax's
+    """The NNX section's MLP, Transformer block, checkpoint and FP8 examples, in one script (standard promotion: Flax's
     BatchNorm and LayerNorm mix float16 with float32 inside)."""
     script = tmp_path / "readme_nnx.py"
     script.write_text(_section_blocks("## Flax NNX models"), encoding="utf-8")
@@ -53,9 +53,10 @@ def test_readme_nnx_examples_run(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert len(lines) == 7, lines
+    assert len(lines) == 8, lines
     mlp = [line.split() for line in lines[:3]]
     assert [s[1:] for s in mlp] == [["True", "float32"]] * 3, lines  # finite steps, float32 master weights
     for losses in ([float(s[0]) for s in mlp], [float(line) for line in lines[3:6]]):
         assert losses == sorted(losses, reverse=True), lines  # MLP and Transformer block losses fall
     assert lines[6] == "4 True True", lines  # restored model and optimizer continue exactly
+    assert lines[7] == "True True", lines  # the FP8 MLP: finite steps, delayed scaling moved its input scale
