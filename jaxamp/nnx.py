@@ -460,5 +460,5 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
         else:
             raw.append((variable, value))
     if raw:
-        nnx.update((model, opt), nnx.State.from_flat_path(raw))
+        nnx.update((model, opt), nnx.from_flat_state(raw))
     return metrics
