@@ -356,7 +356,7 @@ def test_two_processes_resume_past_a_damaged_step_and_set_it_aside_once(children
 def test_two_processes_on_a_busy_workdir_are_both_refused(children, tmp_path):
     """Process 0 holds the workdir lock for the run and tells process 1 whether it got it: a second two-process run
     on a busy workdir ends in both processes with the same one-line error, and changes no file."""
-    from jaxamp.train import _WorkdirLock
+    from jaxamp.workdir import _WorkdirLock
 
     busy = tmp_path / "busy"
     shutil.copytree(children["paths"]["work2"], busy)

@@ -276,7 +276,7 @@ def test_a_damaged_newest_checkpoint_falls_back_quietly(tmp_path):
 
 
 def test_a_busy_or_unwritable_workdir_is_refused_untouched(tmp_path, capsys):
-    from jaxamp.train import _WorkdirLock
+    from jaxamp.workdir import _WorkdirLock
 
     corpus = _small_corpus(tmp_path / "corpus.txt")
     args = [*_quick(corpus), "--steps", "2"]
