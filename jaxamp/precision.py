@@ -59,7 +59,8 @@ class Policy(jmp.Policy):
     `"bf16;keep_float32=*embedding"`, `"fp8"` or `"fp16;fp8"`, which `get_policy` parses back.
 
     Attributes:
-      keep_float32: `fnmatch` patterns over leaf paths, e.g. `("*/embedding",)` for every Flax `nn.Embed` table.
+      keep_float32: `fnmatch` patterns over leaf paths, e.g. `("*/embedding",)` for every Flax `nn.Embed` table;
+        `TrainState.create` and `with_policy` refuse a pattern that matches no leaf of their params.
       fp8: the model's Dense matmuls run in FP8 (a flag for the model; see `uses_fp8`).
     """
 
