@@ -310,7 +310,6 @@ class Checkpointer:
                 raise ValueError(f"metrics must be a JSON-serializable list: {err}") from None
         label = int(jax.device_get(state.step))
         self._check_directory()
-        manager = self._writer()
         waited = _clock()
         self.wait()  # a pending save may still be creating its folder; its failure surfaces here
         self._note_slow_saves(label, _clock() - waited)
@@ -322,10 +321,13 @@ class Checkpointer:
             raise CheckpointError(
                 f"cannot save step {label} in {self._dir}: it holds newer step folders {newer} (orbax saves only "
                 f"steps newer than the newest folder); remove them or use another directory")
-        # orbax caches its step list, and steps removed by hand must not block this save: a fresh writer lists them
-        # anew (reload() would parse every step's "metrics" item as orbax's own metrics: a damaged one raised)
-        self._manager = None
-        manager.close()
+        # A fresh writer for each save: orbax caches its step list, and steps removed by hand must not block this
+        # save (reload() would parse every step's "metrics" item as orbax's own metrics: a damaged one raised). The
+        # previous writer is closed first: each writer starts removing interrupted saves' tmp folders in the
+        # background, and two at once raced (ENOENT).
+        previous, self._manager = self._manager, None
+        if previous is not None:
+            previous.close()
         manager = self._writer()
         integrity = sealed(integrity_record(state, config, self._checksums, metrics))
         items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config),
