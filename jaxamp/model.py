@@ -457,6 +457,8 @@ class TransformerLM(nn.Module):
             )
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must have an integer dtype, got {tokens.dtype}; cast with .astype(jnp.int32)")
+        if targets is not None and targets.shape != tokens.shape:
+            raise ValueError(f"targets must have the shape of tokens {tokens.shape}, got {targets.shape}")
         _, seq = tokens.shape
         if seq > cfg.seq_len:
             raise ValueError(
@@ -480,8 +482,6 @@ class TransformerLM(nn.Module):
         # matmuls run in the compute dtype too (jaxamp.layers.attend).
         if targets is None:
             return wte.attend(x)  # [batch, seq, vocab]
-        if targets.shape != tokens.shape:
-            raise ValueError(f"targets must have the shape of tokens {tokens.shape}, got {targets.shape}")
         if cfg.loss_chunk:
             return jnp.mean(wte.cross_entropy(x, targets, cfg.loss_chunk))  # f32[]
         return cross_entropy_loss(wte.attend(x), targets)  # logits f32[batch, seq, vocab]
