@@ -149,7 +149,8 @@ def attend_cross_entropy(x: jax.Array, table: jax.Array, targets: jax.Array, chu
     Args:
       x: `float[..., features]` activations in the compute dtype.
       table: `float[vocab, features]` embedding table (float32 or the compute dtype).
-      targets: `int[...]` target ids in `[0, vocab)`, `x`'s leading shape; out-of-range ids give NaN losses.
+      targets: `int[...]` target ids in `[0, vocab)`, `x`'s leading shape, any integer dtype; out-of-range
+        ids (negative ones included) give NaN losses.
       chunk: tokens per block (a positive int); the token count is padded up to a multiple of it.
 
     Returns:
@@ -166,10 +167,16 @@ def attend_cross_entropy(x: jax.Array, table: jax.Array, targets: jax.Array, chu
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk!r}")
     lead, n = x.shape[:-1], math.prod(x.shape[:-1])
+    if n == 0:
+        return jnp.zeros(lead, jnp.float32)
     chunk = min(chunk, n)
     pad = -n % chunk
     x2 = jnp.pad(x.reshape(n, x.shape[-1]), ((0, pad), (0, 0)))  # [tokens + pad, features]
-    t2 = jnp.pad(targets.reshape(n), (0, pad))  # [tokens + pad]
+    # int32 ids: the backward's one-hot compares them with arange(vocab), which would wrap in int8/uint8. Negative
+    # ids would wrap around in the forward's gather (a finite loss whose gradient has no one-hot); send them past the
+    # end, where the gather fills NaN, as for ids >= vocab.
+    t2 = targets.reshape(n).astype(jnp.int32)
+    t2 = jnp.pad(jnp.where(t2 < 0, table.shape[0], t2), (0, pad))  # i32[tokens + pad]
     return _chunked_ce(chunk, x2, table, t2)[:n].reshape(lead)
 
 

@@ -138,3 +138,26 @@ def test_training_with_loss_chunk_follows_the_whole_logits_run(tmp_path):
     np.testing.assert_allclose(losses[100][0], losses[0][0], rtol=1e-6)
     np.testing.assert_allclose(losses[100], losses[0], rtol=1e-4)
     assert losses[0][-1] < losses[0][0]
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8, jnp.int16])
+def test_narrow_integer_targets_give_the_int32_gradients(dtype):
+    # A vocabulary past the targets' dtype range (300 > 255): the backward's one-hot must not wrap arange(vocab)
+    # (uint8 made row 256 hit for target 0: table gradient off by 0.13).
+    k = jax.random.split(jax.random.key(1), 3)
+    x, table = jax.random.normal(k[0], (3, 7, 16)), jax.random.normal(k[1], (300, 16)) * 0.3
+    targets = jax.random.randint(k[2], (3, 7), 0, 120)
+    fused = lambda x, table, t: jnp.mean(attend_cross_entropy(x, table, t, 4))  # noqa: E731
+    loss, (gx, gt) = jax.value_and_grad(fused, argnums=(0, 1))(x, table, targets.astype(dtype))
+    rloss, (rx, rt) = jax.value_and_grad(_reference, argnums=(0, 1))(x, table, targets)
+    np.testing.assert_allclose(float(loss), float(rloss), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(rx), rtol=0, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(gt), np.asarray(rt), rtol=0, atol=2e-6 * float(jnp.max(jnp.abs(rt))))
+
+
+def test_negative_targets_give_nan_losses_and_no_tokens_give_no_losses():
+    x, table, targets = _inputs(jnp.float32)
+    losses = attend_cross_entropy(x, table, targets.at[1, 2].set(-1), 4)  # not a wrap-around to the last id
+    assert bool(jnp.isnan(losses[1, 2])) and int(jnp.isnan(losses).sum()) == 1
+    empty = attend_cross_entropy(x[:, :0], table, targets[:, :0], 4)
+    assert empty.shape == (B, 0) and empty.dtype == jnp.float32
