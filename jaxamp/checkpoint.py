@@ -73,16 +73,13 @@ import warnings
 from pathlib import Path
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from jaxamp.checkpoint_quiet import after_failed_save, quiet_library_failures, save_reason, short_error
-from jaxamp.checkpoint_record import (READABLE_FORMATS, config_digest, digests, host_array, index_str,
-                                      integrity_record, leaf_dtype, loss_scale_record, parse_index, seal_intact,
-                                      sealed, sha256, structure_string)
+from jaxamp.checkpoint_record import (READABLE_FORMATS, config_digest, integrity_record, mismatch, seal_intact, sealed,
+                                      verify)
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from jaxamp.precision import policy_name
 from jaxamp.state import TrainState
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointSaveError", "Checkpointer",
@@ -158,21 +155,6 @@ def loss_scale_from_record(record: dict) -> LossScale:
     if kind == "DynamicLossScale":
         return DynamicLossScale(config["min_loss_scale"], **config)
     return StaticLossScale(1.0) if kind == "StaticLossScale" else NoOpLossScale()
-
-
-def _json_normal(value):
-    """`value` as it comes back from a JSON round trip (tuples -> lists, int keys -> str)."""
-    return json.loads(json.dumps(value))
-
-
-def _fmt(value) -> str:
-    return repr(value) if isinstance(value, str) else json.dumps(value)
-
-
-def _first_difference(a: str, b: str, context: int = 60) -> tuple[str, str]:
-    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    lo = max(0, i - context)
-    return f"...{a[lo:i + context]}...", f"...{b[lo:i + context]}..."
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -531,7 +513,9 @@ class Checkpointer:
             # 1. The JSON items only: config, integrity record (and the metrics copy when the record lists one).
             config, record = self._read_meta(manager, n)
             # 2. Settings and structure: a mismatch means the user changed settings, so it is raised, not skipped.
-            self._check_match(n, config, record, target, expected_config, match_keys)
+            problem = mismatch(n, self._dir, config, record, target, expected_config, match_keys)
+            if problem:
+                raise CheckpointMismatchError(problem)
             # 3. The arrays, into the abstract target (after one cheap read of the array database's index).
             _check_index(step_dir / _ITEMS[0])
             try:
@@ -541,7 +525,13 @@ class Checkpointer:
         finally:
             manager.close()
         # 4. Recompute digests.
-        self._verify(n, state, record)
+        bad, unverified = verify(state, record)
+        if bad:
+            raise _Unusable(bad)
+        if unverified:
+            warnings.warn(
+                f"checkpoint step {n} in {self._dir}: {len(unverified)} leaves could not be verified on this shard "
+                f"layout (saved with another one): {unverified[:5]}", stacklevel=2)
         return state, config
 
     @staticmethod
@@ -608,92 +598,3 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint step {step} in {self._dir} is unusable ({err})") from None
         finally:
             manager.close()
-
-    def _check_match(self, n, config, record, target, expected_config, match_keys) -> None:
-        where = f"checkpoint at step {n} in {self._dir}"
-        advice = "use another checkpoint directory (--workdir) or the same settings"
-        for key in match_keys:
-            want = _json_normal(expected_config[key])
-            if key not in config:
-                raise CheckpointMismatchError(
-                    f"{where} was saved without {key} but this run has {key}={_fmt(want)}; {advice}")
-            if config[key] != want:
-                raise CheckpointMismatchError(
-                    f"checkpoint at step {n} was saved with {key}={_fmt(config[key])} but this run has "
-                    f"{key}={_fmt(want)}; {advice}")
-        saved_ls = record.get("loss_scale") or {}
-        this_ls = _json_normal(loss_scale_record(target.loss_scale))
-        if saved_ls.get("type") != this_ls["type"]:
-            raise CheckpointMismatchError(
-                f"{where} was saved with loss_scale={saved_ls.get('type')} but this run has "
-                f"loss_scale={this_ls['type']}; {advice}")
-        saved_cfg, this_cfg = saved_ls.get("config") or {}, this_ls["config"]
-        for field in sorted(set(saved_cfg) | set(this_cfg)):
-            if saved_cfg.get(field) != this_cfg.get(field):
-                raise CheckpointMismatchError(
-                    f"{where} was saved with loss_scale.{field}={_fmt(saved_cfg.get(field))} but this run has "
-                    f"loss_scale.{field}={_fmt(this_cfg.get(field))}; {advice}")
-        this_policy = policy_name(target.policy)
-        if record.get("policy") != this_policy:
-            raise CheckpointMismatchError(
-                f"{where} was saved with policy={_fmt(record.get('policy'))} but this run has "
-                f"policy={_fmt(this_policy)}; {advice}")
-        saved_leaves = record.get("leaves") or {}
-        flat, _ = jax.tree_util.tree_flatten_with_path(target)
-        target_leaves = {jax.tree_util.keystr(p): x for p, x in flat}
-        extra = [k for k in saved_leaves if k not in target_leaves]
-        absent = [k for k in target_leaves if k not in saved_leaves]
-        if extra or absent:
-            raise CheckpointMismatchError(
-                f"{where} has leaves {extra[:5]} that the restore target lacks and lacks leaves {absent[:5]} that "
-                f"the restore target has; {advice}")
-        for key, x in target_leaves.items():
-            saved = saved_leaves[key]
-            this = {"dtype": leaf_dtype(x), "shape": list(x.shape)}
-            if (saved.get("dtype"), saved.get("shape")) != (this["dtype"], this["shape"]):
-                raise CheckpointMismatchError(
-                    f"{where} was saved with {key} as {saved.get('dtype')}{saved.get('shape')} but this run has "
-                    f"{this['dtype']}{this['shape']}; {advice}")
-        this_structure = structure_string(target)
-        if record.get("structure") != this_structure:
-            a, b = _first_difference(str(record.get("structure")), this_structure)
-            raise CheckpointMismatchError(
-                f"{where} was saved with a different pytree structure: saved {a} but this run has {b}; {advice}")
-
-    def _verify(self, n: int, state: TrainState, record: dict) -> None:
-        """Recomputes every leaf's sha256 and compares it with the record; raises _Unusable on a difference."""
-        saved_leaves = record["leaves"]
-        flat, _ = jax.tree_util.tree_flatten_with_path(state)
-        unverified = []
-        whole = [(jax.tree_util.keystr(p), x) for p, x in flat
-                 if not isinstance(x, jax.Array) or x.is_fully_addressable]
-        plain = [(key, x) for key, x in whole if "sha256" in saved_leaves[key]]
-        for (key, _), digest in zip(plain, digests([x for _, x in plain])):
-            if digest != saved_leaves[key]["sha256"]:
-                raise _Unusable(f"checksum mismatch in {key}")
-        for key, x in whole:
-            if "shards" in saved_leaves[key]:  # saved from a multi-process run: check each saved shard
-                arr = host_array(x)
-                for index, digest in saved_leaves[key]["shards"].items():
-                    if sha256(np.ascontiguousarray(arr[parse_index(index)])) != digest:
-                        raise _Unusable(f"checksum mismatch in {key}[{index}]")
-        for path, x in flat:
-            if not isinstance(x, jax.Array) or x.is_fully_addressable:
-                continue
-            key = jax.tree_util.keystr(path)
-            saved = saved_leaves[key].get("shards")
-            if saved is None and "sha256" not in saved_leaves[key]:
-                continue  # saved with checksums=False
-            checked = False
-            for shard in x.addressable_shards:
-                digest = (saved or {}).get(index_str(shard.index, x.shape))
-                if digest is not None:
-                    checked = True
-                    if sha256(host_array(shard.data)) != digest:
-                        raise _Unusable(f"checksum mismatch in {key}[{index_str(shard.index, x.shape)}]")
-            if not checked:
-                unverified.append(key)
-        if unverified:
-            warnings.warn(
-                f"checkpoint step {n} in {self._dir}: {len(unverified)} leaves could not be verified on this shard "
-                f"layout (saved with another one): {unverified[:5]}", stacklevel=3)

@@ -1,7 +1,8 @@
 """The integrity record of a checkpoint step: per-leaf sha256 digests, dtypes and shapes, the loss scale's type
 and hyperparameters, the policy name, the pytree structure and digests of the config and metrics.
 
-`jaxamp.checkpoint.Checkpointer` writes it beside each step and checks restores against it; the design (whole-array
+`jaxamp.checkpoint.Checkpointer` writes it beside each step and checks restores against it (`mismatch`: saved
+settings against this run's; `verify`: restored arrays against their digests); the design (whole-array
 digests in a single-process run, per-shard digests keyed by global index across processes, a sealed record) is
 described in `jaxamp.checkpoint`'s module docstring. Pure functions of their inputs, except `allgather_json`, which
 gathers across the processes of a multi-process run.
@@ -22,9 +23,9 @@ import numpy as np
 from jaxamp.precision import policy_name
 from jaxamp.state import TrainState
 
-__all__ = ["FORMAT", "READABLE_FORMATS", "allgather_json", "config_digest", "digests",
-           "host_array", "index_str", "integrity_record", "leaf_dtype", "loss_scale_record",
-           "parse_index", "seal_intact", "sealed", "sha256", "structure_string"]
+__all__ = ["FORMAT", "READABLE_FORMATS", "allgather_json", "config_digest", "digests", "host_array", "index_str",
+           "integrity_record", "leaf_dtype", "loss_scale_record", "mismatch", "parse_index", "seal_intact", "sealed",
+           "sha256", "structure_string", "verify"]
 
 FORMAT = 2  # 2 adds record_sha256, the record's own digest; format-1 records are still read
 READABLE_FORMATS = (1, 2)
@@ -149,3 +150,123 @@ def seal_intact(record: dict) -> bool:
         return True  # written before records were sealed
     rest = {k: v for k, v in record.items() if k != "record_sha256"}
     return record.get("record_sha256") == config_digest(rest)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Checks of a restore against the record.
+
+
+def _json_normal(value):
+    """`value` as it comes back from a JSON round trip (tuples -> lists, int keys -> str)."""
+    return json.loads(json.dumps(value))
+
+
+def _fmt(value) -> str:
+    return repr(value) if isinstance(value, str) else json.dumps(value)
+
+
+def _first_difference(a: str, b: str, context: int = 60) -> tuple[str, str]:
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    lo = max(0, i - context)
+    return f"...{a[lo:i + context]}...", f"...{b[lo:i + context]}..."
+
+
+def mismatch(n: int, directory, config: dict, record: dict, target, expected_config: dict | None,
+             match_keys) -> str | None:
+    """The first way a saved step differs from this run, as one line naming the field and both values, or None.
+
+    Compared: the `match_keys` of `config` (the step's saved settings) with `expected_config`'s; the loss scale's
+    type and hyperparameters, the policy name, each leaf's dtype and shape and the pytree structure in `record`
+    with the restore `target`'s.
+    """
+    where = f"checkpoint at step {n} in {directory}"
+    advice = "use another checkpoint directory (--workdir) or the same settings"
+    for key in match_keys:
+        want = _json_normal(expected_config[key])
+        if key not in config:
+            return (
+                f"{where} was saved without {key} but this run has {key}={_fmt(want)}; {advice}")
+        if config[key] != want:
+            return (
+                f"checkpoint at step {n} was saved with {key}={_fmt(config[key])} but this run has "
+                f"{key}={_fmt(want)}; {advice}")
+    saved_ls = record.get("loss_scale") or {}
+    this_ls = _json_normal(loss_scale_record(target.loss_scale))
+    if saved_ls.get("type") != this_ls["type"]:
+        return (
+            f"{where} was saved with loss_scale={saved_ls.get('type')} but this run has "
+            f"loss_scale={this_ls['type']}; {advice}")
+    saved_cfg, this_cfg = saved_ls.get("config") or {}, this_ls["config"]
+    for field in sorted(set(saved_cfg) | set(this_cfg)):
+        if saved_cfg.get(field) != this_cfg.get(field):
+            return (
+                f"{where} was saved with loss_scale.{field}={_fmt(saved_cfg.get(field))} but this run has "
+                f"loss_scale.{field}={_fmt(this_cfg.get(field))}; {advice}")
+    this_policy = policy_name(target.policy)
+    if record.get("policy") != this_policy:
+        return (
+            f"{where} was saved with policy={_fmt(record.get('policy'))} but this run has "
+            f"policy={_fmt(this_policy)}; {advice}")
+    saved_leaves = record.get("leaves") or {}
+    flat, _ = jax.tree_util.tree_flatten_with_path(target)
+    target_leaves = {jax.tree_util.keystr(p): x for p, x in flat}
+    extra = [k for k in saved_leaves if k not in target_leaves]
+    absent = [k for k in target_leaves if k not in saved_leaves]
+    if extra or absent:
+        return (
+            f"{where} has leaves {extra[:5]} that the restore target lacks and lacks leaves {absent[:5]} that "
+            f"the restore target has; {advice}")
+    for key, x in target_leaves.items():
+        saved = saved_leaves[key]
+        this = {"dtype": leaf_dtype(x), "shape": list(x.shape)}
+        if (saved.get("dtype"), saved.get("shape")) != (this["dtype"], this["shape"]):
+            return (
+                f"{where} was saved with {key} as {saved.get('dtype')}{saved.get('shape')} but this run has "
+                f"{this['dtype']}{this['shape']}; {advice}")
+    this_structure = structure_string(target)
+    if record.get("structure") != this_structure:
+        a, b = _first_difference(str(record.get("structure")), this_structure)
+        return (
+            f"{where} was saved with a different pytree structure: saved {a} but this run has {b}; {advice}")
+    return None
+
+
+def verify(state: TrainState, record: dict) -> tuple[str | None, list[str]]:
+    """Recomputes every leaf's sha256 and compares it with the record.
+
+    Returns:
+      (the first difference as "checksum mismatch in KEY", or None; the keys of leaves that could not be checked on
+      this shard layout, saved with another one).
+    """
+    saved_leaves = record["leaves"]
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    unverified = []
+    whole = [(jax.tree_util.keystr(p), x) for p, x in flat
+             if not isinstance(x, jax.Array) or x.is_fully_addressable]
+    plain = [(key, x) for key, x in whole if "sha256" in saved_leaves[key]]
+    for (key, _), digest in zip(plain, digests([x for _, x in plain])):
+        if digest != saved_leaves[key]["sha256"]:
+            return f"checksum mismatch in {key}", unverified
+    for key, x in whole:
+        if "shards" in saved_leaves[key]:  # saved from a multi-process run: check each saved shard
+            arr = host_array(x)
+            for index, digest in saved_leaves[key]["shards"].items():
+                if sha256(np.ascontiguousarray(arr[parse_index(index)])) != digest:
+                    return f"checksum mismatch in {key}[{index}]", unverified
+    for path, x in flat:
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            continue
+        key = jax.tree_util.keystr(path)
+        saved = saved_leaves[key].get("shards")
+        if saved is None and "sha256" not in saved_leaves[key]:
+            continue  # saved with checksums=False
+        checked = False
+        for shard in x.addressable_shards:
+            digest = (saved or {}).get(index_str(shard.index, x.shape))
+            if digest is not None:
+                checked = True
+                if sha256(host_array(shard.data)) != digest:
+                    return f"checksum mismatch in {key}[{index_str(shard.index, x.shape)}]", unverified
+        if not checked:
+            unverified.append(key)
+    return None, unverified
