@@ -180,9 +180,10 @@ def attend_cross_entropy(x: jax.Array, table: jax.Array, targets: jax.Array, chu
     return _chunked_ce(chunk, x2, table, t2)[:n].reshape(lead)
 
 
-def _block_logits(xc: jax.Array, table: jax.Array) -> jax.Array:
-    """`f32[chunk, vocab]` logits of one block, exactly as `attend` computes them."""
-    return _dot_f32(xc, table.astype(xc.dtype), "nd,vd->nv")
+def _block_logits(xc: jax.Array, table_c: jax.Array) -> jax.Array:
+    """`f32[chunk, vocab]` logits of one block, exactly as `attend` computes them (`table_c`: the table cast to
+    `xc`'s dtype once, outside the loop over blocks)."""
+    return _dot_f32(xc, table_c, "nd,vd->nv")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -191,9 +192,11 @@ def _chunked_ce(chunk: int, x: jax.Array, table: jax.Array, targets: jax.Array) 
 
 
 def _chunked_ce_fwd(chunk, x, table, targets):
+    table_c = table.astype(x.dtype)
+
     def block(args):
         xc, tc = args  # [chunk, features], [chunk]
-        logits = _block_logits(xc, table)  # f32[chunk, vocab]
+        logits = _block_logits(xc, table_c)  # f32[chunk, vocab]
         lse = jax.nn.logsumexp(logits, axis=-1)  # f32[chunk]
         label = jnp.take_along_axis(logits, tc[:, None], axis=-1, mode="fill")[:, 0]  # f32[chunk]
         return lse - label, lse
@@ -210,7 +213,7 @@ def _chunked_ce_bwd(chunk, residuals, g):
 
     def block(dtable, args):
         xc, tc, lc, gc = args  # [chunk, features], [chunk], f32[chunk], f32[chunk]
-        logits = _block_logits(xc, table)  # f32[chunk, vocab]
+        logits = _block_logits(xc, table_c)  # f32[chunk, vocab]
         hit = (jnp.arange(vocab, dtype=tc.dtype) == tc[:, None]).astype(jnp.float32)  # [chunk, vocab] one-hot
         dlogits = ((jnp.exp(logits - lc[:, None]) - hit) * gc[:, None]).astype(x.dtype)  # compute dtype, once
         dxc = _dot_f32(dlogits, table_c, "nv,vd->nd").astype(x.dtype)  # [chunk, features]
