@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 
+from jaxamp.fp8_report import fp8_bypassed
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.precision import leaf_path
 from jaxamp.state import TrainState, split_fp8
@@ -40,8 +41,9 @@ def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
         hands it float32 params).
       accum_steps: micro-batches, as for `train_step`.
       reference_loss_fn: the loss of the float32 recomputation, for a model whose precision lives in the model
-        itself: for FP8 ops, the same model without them (it gets the params without the FP8 collection). None =
-        `loss_fn`.
+        itself (it gets the params without the FP8 collection). None = `loss_fn`, with its FP8 ops (if the params
+        hold an FP8 collection) bypassed: each computes its plain matmul in float32 (`fp8_report.fp8_bypassed`), so
+        the error includes what FP8 costs.
 
     Returns:
       `{leaf path: f32[] error}`, keys as `jaxamp.precision.leaf_path` writes them (`"h_0/mlp/c_fc/kernel"`);
@@ -63,9 +65,21 @@ def gradient_pair(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
     reference = state.replace(policy=_F32)
     if reference_loss_fn is not None:
         reference = reference.replace(params=split_fp8(state.params)[0])
+    elif split_fp8(state.params)[1] is not None:
+        reference_loss_fn = _without_fp8(loss_fn)
     exact = _gradients(reference, batch, reference_loss_fn or loss_fn, NoOpLossScale(), rng, accum_steps,
                        False).grads
     return mixed, exact
+
+
+def _without_fp8(loss_fn: LossFn) -> LossFn:
+    """`loss_fn` traced with every FP8 op computing its plain matmul (the FP8 variables are read by no one)."""
+
+    def plain(*args):
+        with fp8_bypassed():
+            return loss_fn(*args)
+
+    return plain
 
 
 def _rel_err(g: jax.Array, ref: jax.Array) -> jax.Array:

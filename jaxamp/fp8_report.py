@@ -15,10 +15,16 @@ scale 1: the FP8 state is stored loss-scale free) and reports, per op and tensor
 | --- | --- | --- | --- | --- |
 | float8_e4m3fn | 448 | 2^-6 | 2^-9 | 2^-10 |
 | float8_e5m2 | 57344 | 2^-14 | 2^-16 | 2^-17 |
+
+NNX models (`jaxamp.nnx.Fp8DotGeneral`, `jaxamp.nnx.Fp8Einsum`) get the same report from `jaxamp.nnx.fp8_ranges`:
+their ops report to the recorder of `capture` while it runs. `fp8_bypassed()` turns every FP8 op, linen or NNX, into
+its plain matmul: the float32 reference of `jaxamp.fidelity.grad_fidelity` for a model with FP8 ops.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any
 
 import flax.linen as nn
@@ -42,26 +48,118 @@ _TENSORS = {"input": ("e4m3", "input_scale", "input_amax_history"),
             "output_grad": ("e5m2", "output_grad_scale", "output_grad_amax_history")}
 
 
+_VARIABLES = [name for _, scale, history in _TENSORS.values() for name in (scale, history)]
+_ACTIVE: contextvars.ContextVar[_Fp8Recorder | None] = contextvars.ContextVar("jaxamp_fp8_recorder", default=None)
+
+
 class _Fp8Recorder:
-    """Records each FP8 op's operands and FP8 variables, and adds a perturbation to its output (for its gradient)."""
+    """Records each FP8 op's operands, FP8 variables and output, and adds a perturbation to its output (whose
+    gradient is the op's output gradient). Linen ops report through `nn.intercept_methods`, NNX ops
+    (`jaxamp.nnx.Fp8DotGeneral`, `Fp8Einsum`) through `record_nnx_op` while the recorder is active."""
 
-    def __init__(self, perturb: dict | None = None):
-        self.perturb = perturb
+    def __init__(self):
+        self.perturb: dict | None = None
         self.captured: dict[str, dict] = {}
+        self.names: dict[int, str] = {}  # id(NNX module) -> its path in the model, set by jaxamp.nnx
 
-    def __call__(self, next_fun, args, kwargs, context):
-        if context.method_name != "__call__" or not isinstance(context.module, fp8_ops.Fp8DotGeneralBase):
-            return next_fun(*args, **kwargs)
-        out = next_fun(*args, **kwargs)
-        key = "/".join(context.module.path)
-        names = [name for _, scale, history in _TENSORS.values() for name in (scale, history)]
-        variables = {name: context.module.get_variable(FP8_COLLECTION, name) for name in names}
-        # The first two array arguments: (lhs, rhs) of a dot_general op, after the equation of `Fp8Einsum`.
-        lhs, rhs = [a for a in (*args, *kwargs.values()) if hasattr(a, "shape")][:2]
-        self.captured[key] = {"input": lhs, "kernel": rhs, **variables}
+    def record(self, key: str, lhs, rhs, variables: dict, out):
+        self.captured[key] = {"input": lhs, "kernel": rhs, "output": out, **variables}
         if self.perturb is not None and key in self.perturb:
             out = out + self.perturb[key].astype(out.dtype)
         return out
+
+    def __call__(self, next_fun, args, kwargs, context):  # a linen method interceptor
+        if context.method_name != "__call__" or not isinstance(context.module, fp8_ops.Fp8DotGeneralBase):
+            return next_fun(*args, **kwargs)
+        out = next_fun(*args, **kwargs)
+        variables = {name: context.module.get_variable(FP8_COLLECTION, name) for name in _VARIABLES}
+        # The first two array arguments: (lhs, rhs) of a dot_general op, after the equation of `Fp8Einsum`.
+        lhs, rhs = [a for a in (*args, *kwargs.values()) if hasattr(a, "shape")][:2]
+        if isinstance(context.module, fp8_ops.Fp8Einsum) and einsum_swaps(args[0], lhs.shape, rhs.shape):
+            # The op quantizes the kernel with its input_* variables and the inputs with its kernel_* ones: each
+            # tensor's row reads the variables that scale it.
+            variables = {name: variables[name.replace("input", "@").replace("kernel", "input").replace("@", "kernel")]
+                         for name in variables}
+        return self.record("/".join(context.module.path), lhs, rhs, variables, out)
+
+
+def active_recorder() -> _Fp8Recorder | None:
+    """The recorder of the `fp8_ranges` running now, or None (for NNX FP8 ops and the NNX wrapper that names them)."""
+    return _ACTIVE.get()
+
+
+def record_nnx_op(module, lhs, rhs, out):
+    """Called by an NNX FP8 op with its operands and output: returns the output, perturbed while `fp8_ranges`
+    records (`module`'s path comes from the names the NNX wrapper registered; its FP8 variables are read by name)."""
+    recorder = _ACTIVE.get()
+    if recorder is None:
+        return out
+    key = recorder.names.get(id(module), type(module).__name__)
+    variables = {name: getattr(module, name)[...] for name in _VARIABLES}
+    return recorder.record(key, lhs, rhs, variables, out)
+
+
+@contextlib.contextmanager
+def _recording(recorder: _Fp8Recorder):
+    token = _ACTIVE.set(recorder)
+    try:
+        with nn.intercept_methods(recorder):
+            yield recorder
+    finally:
+        _ACTIVE.reset(token)
+
+
+def einsum_swaps(eqn: str, lhs_shape: tuple, rhs_shape: tuple) -> bool:
+    """Whether `jnp.einsum(eqn, lhs, rhs, _dot_general=f)` calls `f(rhs, lhs, ...)`: it contracts in that order when
+    that saves a transpose (e.g. `"bi,io->ob"`). Flax's `Fp8Einsum` then quantizes the kernel with the input's
+    scale and history and the inputs with the kernel's: each tensor still has a scale of its own, under the other's
+    name. Found by tracing the einsum abstractly with the operands told apart by dtype."""
+    order = []
+
+    def probe(x, y, dimension_numbers, *args, **kwargs):
+        del args, kwargs
+        order.append(x.dtype == jnp.bfloat16)  # x is rhs
+        return jax.lax.dot_general(x.astype(jnp.float32), y.astype(jnp.float32), dimension_numbers)
+
+    jax.eval_shape(lambda a, b: jnp.einsum(eqn, a, b, preferred_element_type=jnp.bfloat16, _dot_general=probe),
+                   jax.ShapeDtypeStruct(tuple(lhs_shape), jnp.float32),
+                   jax.ShapeDtypeStruct(tuple(rhs_shape), jnp.bfloat16))
+    return bool(order and order[0])
+
+
+_BYPASS: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_fp8_bypass", default=False)
+
+
+def bypassed() -> bool:
+    """True inside `fp8_bypassed()` (NNX FP8 ops check it)."""
+    return _BYPASS.get()
+
+
+@contextlib.contextmanager
+def fp8_bypassed():
+    """Within it, every FP8 op computes its plain matmul in its kernel's dtype, without quantizing or touching its
+    FP8 variables: Flax's linen ops (`Fp8DirectDotGeneralOp`, `Fp8Einsum`, as in `jaxamp.layers.Dense(fp8=True)`)
+    through `nn.intercept_methods`, `jaxamp.nnx`'s FP8 modules by checking `bypassed()`. The model without its FP8
+    ops, for the float32 reference of `jaxamp.fidelity.grad_fidelity`. Trace-time: wrap the tracing of the loss."""
+    token = _BYPASS.set(True)
+    try:
+        with nn.intercept_methods(_plain_linen_op):
+            yield
+    finally:
+        _BYPASS.reset(token)
+
+
+def _plain_linen_op(next_fun, args, kwargs, context):
+    """A linen method interceptor: an FP8 op's `__call__` becomes `lax.dot_general` / `jnp.einsum` in the dtype of
+    its kernel (the op's second operand), as the op's own output."""
+    if context.method_name != "__call__" or not isinstance(context.module, fp8_ops.Fp8DotGeneralBase):
+        return next_fun(*args, **kwargs)
+    if isinstance(context.module, fp8_ops.Fp8Einsum):
+        eqn, lhs, rhs = (*args, *[kwargs[k] for k in ("eqn", "lhs", "rhs")[len(args):]])[:3]
+        return jnp.einsum(eqn, lhs.astype(rhs.dtype), rhs)
+    names = ("lhs", "rhs", "dimension_numbers")
+    lhs, rhs, dims = (*args, *[kwargs[k] for k in names[len(args):]])[:3]
+    return jax.lax.dot_general(lhs.astype(rhs.dtype), rhs, dims)
 
 
 def _loss(loss_fn, params, batch):
@@ -69,35 +167,23 @@ def _loss(loss_fn, params, batch):
     return (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
 
 
-def _run(loss_fn, params, batch):
-    """The captured operands and variables of every FP8 op, and the gradient of the loss w.r.t. each op's output."""
+def capture(state: TrainState, batch: PyTree, loss_fn) -> tuple[dict, dict]:
+    """`(captured, output_grads)`: every FP8 op's operands and FP8 variables (`{op: {"input", "kernel",
+    "input_scale", ...}}`) and the gradient of the loss w.r.t. its output (`{op: array}`), at loss scale 1 and the
+    state's compute dtype. Traceable (`fp8_ranges` jits it)."""
+    params = state.compute_params()
     recorder = _Fp8Recorder()
 
     def forward(perturb):
         recorder.perturb, recorder.captured = perturb, {}
-        with nn.intercept_methods(recorder):
+        with _recording(recorder):
             loss = _loss(loss_fn, params, batch)
         return loss, recorder.captured
 
-    out_shapes = jax.eval_shape(lambda: _op_outputs(loss_fn, params, batch))
-    perturb = {k: jnp.zeros(s.shape, jnp.float32) for k, s in out_shapes.items()}
+    shapes = jax.eval_shape(lambda: forward(None)[1])
+    perturb = {k: jnp.zeros(c["output"].shape, jnp.float32) for k, c in shapes.items()}
     grads, captured = jax.grad(forward, has_aux=True)(perturb)
-    return captured, grads
-
-
-def _op_outputs(loss_fn, params, batch) -> dict:
-    """The output of every FP8 op (shapes only are used)."""
-    outputs = {}
-
-    def record(next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
-        if context.method_name == "__call__" and isinstance(context.module, fp8_ops.Fp8DotGeneralBase):
-            outputs["/".join(context.module.path)] = out
-        return out
-
-    with nn.intercept_methods(record):
-        _loss(loss_fn, params, batch)
-    return outputs
+    return {k: {name: v for name, v in c.items() if name != "output"} for k, c in captured.items()}, grads
 
 
 def _delayed_scale(history: np.ndarray, scale: np.ndarray, fmt: FloatFormat) -> float:
@@ -137,9 +223,14 @@ def fp8_ranges(state: TrainState, batch: PyTree, loss_fn) -> list[dict]:
     if split_fp8(state.params)[1] is None:
         raise ValueError("state.params holds no FP8 collection ('_overwrite_with_gradient'): build the model with "
                          "FP8 ops (jaxamp.layers.Dense(fp8=True), TransformerConfig(fp8=True)) and pass its variables")
-    captured, grads = jax.jit(lambda p, b: _run(loss_fn, p, b))(state.compute_params(), batch)
+    return ranges_table(*jax.jit(capture, static_argnums=2)(state, batch, loss_fn))
+
+
+def ranges_table(captured: dict, grads: dict) -> list[dict]:
+    """`fp8_ranges`'s rows from `capture`'s output."""
     if not captured:
-        raise ValueError("the loss calls no FP8 op (Flax Fp8DirectDotGeneralOp / Fp8Einsum)")
+        raise ValueError("the loss calls no FP8 op (Flax Fp8DirectDotGeneralOp / Fp8Einsum, jaxamp.nnx.Fp8DotGeneral "
+                         "/ Fp8Einsum)")
     captured, grads = jax.device_get((captured, grads))
     rows = []
     for layer, c in captured.items():

@@ -22,106 +22,40 @@ compute-dtype params with the carry into a fresh model (`nnx.merge`, inside the 
 mutations happen at the trace that owns the variables) and calls the user's `loss_fn(model, batch)`. The new params,
 optimizer state, loss scale and step go back into `opt`, the new params and carry into `model`.
 
-FP8: `Fp8DotGeneral` is an NNX FP8 matmul (`nnx.Linear(..., dot_general=Fp8DotGeneral())`), Flax's
-`Fp8DirectDotGeneralOp` as an NNX module: its scales and amax histories are `Fp8Meta` variables, the NNX form of
-linen's `"_overwrite_with_gradient"` collection (the bridge maps one to the other). The step puts them into the
-`TrainState`'s params under that collection's name, beside the `wrt` variables, so the functional core's FP8
-handling applies unchanged (see `jaxamp.train_step`).
+FP8: `Fp8DotGeneral` (`nnx.Linear(..., dot_general=Fp8DotGeneral())`) and `Fp8Einsum`
+(`nnx.Einsum(..., einsum_op=Fp8Einsum())`) are Flax's linen FP8 ops as NNX modules (`jaxamp.nnx_fp8`): their scales
+and amax histories are `Fp8Meta` variables, the NNX form of linen's `"_overwrite_with_gradient"` collection (the
+bridge maps one to the other). The step puts them into the `TrainState`'s params under that collection's name,
+beside the `wrt` variables, so the functional core's FP8 handling applies unchanged (see `jaxamp.train_step`).
+
+Diagnostics: `grad_fidelity(model, opt, batch, loss_fn)` and `fp8_ranges(model, opt, batch, loss_fn)` are
+`jaxamp.fidelity.grad_fidelity` and `jaxamp.fp8_report.fp8_ranges` for an NNX model, on the same functional form.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import functools
+
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import jmp
 import optax
-from flax.linen import fp8_ops
-from flax.nnx import variablelib
 from flax.nnx.training.optimizer import OptArray, OptState, to_opt_state
 
+from jaxamp import fidelity, fp8_report
 from jaxamp.loss_scale import LossScale
+from jaxamp.nnx_fp8 import FP8_FILTER as _FP8
+from jaxamp.nnx_fp8 import Fp8DotGeneral, Fp8Einsum, Fp8Meta, _Fp8Op
 from jaxamp.state import FP8_COLLECTION, TrainState, split_fp8
 from jaxamp.step import train_step_with_carry
 
-__all__ = ["Fp8DotGeneral", "Fp8Meta", "Optimizer", "train_step"]
+__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Meta", "Optimizer", "fp8_ranges", "grad_fidelity", "train_step"]
 
 PyTree = Any
 _RNG = (2,)  # TrainState.rng's shape: unused here (randomness comes from the model's nnx.Rngs), kept constant
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# FP8.
-
-
-class Fp8Meta(nnx.Variable):
-    """An FP8 scale or amax history (float32): a variable whose "gradient" is its new value.
-
-    The NNX form of linen's `"_overwrite_with_gradient"` collection (registered under that name, so
-    `nnx.bridge.ToNNX` maps a linen FP8 op's variables to this type). `train_step` differentiates these variables
-    and takes their "gradient" as their new value, as `jaxamp.train_step` does with the linen collection.
-    """
-
-
-if FP8_COLLECTION not in variablelib.VariableTypeCache:
-    nnx.register_variable_name(FP8_COLLECTION, Fp8Meta)
-# The FP8 variables: `Fp8Meta`, and whatever type the collection name was registered to before this module ran.
-_FP8 = nnx.Any(Fp8Meta, variablelib.variable_type_from_name(FP8_COLLECTION))
-
-
-class Fp8DotGeneral(nnx.Module):
-    """Flax's `Fp8DirectDotGeneralOp` as an NNX module: a `dot_general` in FP8 with delayed per-tensor scaling.
-
-    Inputs and kernels are quantized to e4m3 and output gradients to e5m2, each with a scale from its amax history
-    (the largest |x| of the last `amax_history_length` steps over 448 or 57344), the same functions
-    (`flax.linen.fp8_ops.fp8_scaled_dot_general`) and variable names as the linen op. As `jaxamp.layers.Dense(fp8=True)`
-    does, float16 compute quantizes and accumulates in float32 (float16 cannot hold the sum of FP8 products before
-    dequantization, up to 448^2 per term) and casts the result back. Give each layer its own:
-
-        nnx.Linear(784, 256, dot_general=Fp8DotGeneral(), rngs=rngs)
-
-    Attributes:
-      input_scale, kernel_scale, output_grad_scale: `Fp8Meta` of f32[1], initially 1.
-      input_amax_history, kernel_amax_history, output_grad_amax_history: `Fp8Meta` of f32[amax_history_length],
-        initially 0; the newest amax at index 0.
-    """
-
-    def __init__(self, amax_history_length: int = 1024):
-        """Zero histories and unit scales.
-
-        Args:
-          amax_history_length: steps of amax history per tensor (1024, as the linen op and Transformer Engine).
-        """
-        for tensor in ("input", "kernel", "output_grad"):
-            setattr(self, f"{tensor}_amax_history", Fp8Meta(jnp.zeros((amax_history_length,), jnp.float32)))
-            setattr(self, f"{tensor}_scale", Fp8Meta(jnp.ones((1,), jnp.float32)))
-
-    def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,
-                 preferred_element_type=None, **kwargs) -> jax.Array:
-        """`lax.dot_general(lhs, rhs, dimension_numbers)` through FP8, in `rhs`'s (the kernel's) dtype.
-
-        Args:
-          lhs: the inputs, any float dtype (cast to `rhs.dtype`, as the linen op does).
-          rhs: the kernel, in the compute dtype (e.g. bf16[in, out]).
-          dimension_numbers: as for `lax.dot_general`.
-          precision, preferred_element_type, kwargs: ignored, as by the linen op (the FP8 matmul fixes them; the
-            output is in the compute dtype).
-
-        Returns:
-          The product in `rhs.dtype`.
-        """
-        del precision, preferred_element_type, kwargs
-        dtype = jnp.float32 if rhs.dtype == jnp.float16 else rhs.dtype  # the dtype the FP8 op runs in
-        lhs, kernel = jnp.asarray(lhs, rhs.dtype).astype(dtype), rhs.astype(dtype)
-        out = fp8_ops.fp8_scaled_dot_general(
-            lhs, kernel, dimension_numbers, preferred_element_type=dtype,
-            lhs_scale=self.input_scale[...], rhs_scale=self.kernel_scale[...],
-            grad_scale=self.output_grad_scale[...], lhs_amax_history=self.input_amax_history[...],
-            rhs_amax_history=self.kernel_amax_history[...], grad_amax_history=self.output_grad_amax_history[...],
-            quantize_compute_type=dtype)
-        return out.astype(rhs.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -462,3 +396,93 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
     if raw:
         nnx.update((model, opt), nnx.from_flat_state(raw))
     return metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Diagnostics: the functional ones, on the model's functional form.
+
+
+def _functional_loss(graphdef, loss_fn, fp8_now: dict, rest: dict):
+    """`loss_fn(model, batch)` as a functional `loss_fn(params, batch, rng)` of `TrainState.params`-shaped params
+    (`_model_params`): merged with the model's other state `rest` (and its current FP8 variables `fp8_now` where the
+    params hold none: the FP8-bypassed reference). The merged model is discarded (its RNG counts and statistics
+    do not go back), and its FP8 ops are named by path for `fp8_report`'s recorder."""
+
+    def functional(params_c, batch, rng):
+        del rng  # NNX modules draw from their own nnx.Rngs streams (in `rest`)
+        regular, fp8 = split_fp8(params_c)
+        inner = nnx.merge(graphdef, regular, fp8_now if fp8 is None else fp8, rest)
+        recorder = fp8_report.active_recorder()
+        if recorder is not None:
+            recorder.names.update({id(node): "/".join(map(str, path)) for path, node in nnx.iter_graph(inner)
+                                   if isinstance(node, _Fp8Op)})
+        return loss_fn(inner, batch)
+
+    return functional
+
+
+def _split(model, opt: Optimizer):
+    """`(graphdef, state, fp8, rest)`: the `TrainState` of `opt` and `model`, and what the functional loss needs."""
+    _check_model(model)
+    if not isinstance(opt, Optimizer):
+        raise ValueError(f"opt must be a jaxamp.nnx.Optimizer(model, tx, policy=..., loss_scale=...), got "
+                         f"{type(opt).__name__}")
+    graphdef, _, fp8, rest = nnx.split(model, _trained(opt.wrt), _FP8, ...)
+    return graphdef, opt.train_state(model), _pure(fp8), _pure(rest)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _fidelity(graphdef, loss_fn, accum_steps, state, fp8, rest, batch):
+    return fidelity.grad_fidelity(state, batch, _functional_loss(graphdef, loss_fn, fp8, rest),
+                                  accum_steps=accum_steps)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _capture(graphdef, loss_fn, state, fp8, rest, batch):
+    return fp8_report.capture(state, batch, _functional_loss(graphdef, loss_fn, fp8, rest))
+
+
+def grad_fidelity(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callable[[nnx.Module, PyTree], Any], *,
+                  accum_steps: int = 1) -> dict[str, jax.Array]:
+    """`jaxamp.fidelity.grad_fidelity` for an NNX model: each trained leaf's relative L2 gradient error against a
+    float32 recomputation, as `train_step(model, opt, batch, loss_fn)` would compute the gradient now.
+
+    Both recomputations see the model's current state (the same dropout masks: both start from the same `nnx.Rngs`
+    counts); neither changes the model or the optimizer. FP8 ops (`Fp8DotGeneral`, `Fp8Einsum`, bridged linen ops)
+    compute their plain float32 matmul in the reference, so the error includes what FP8 costs. Compiled once per
+    model structure, `loss_fn` and `accum_steps`.
+
+    Args:
+      model, opt, batch, loss_fn, accum_steps: as for `train_step`.
+
+    Returns:
+      `{leaf path: f32[] error}`, keyed like `nnx.state(model, opt.wrt)` (`"l1/kernel"`); inf where the
+      mixed-precision gradient is not finite.
+
+    Raises:
+      ValueError: `model` is not an NNX module or `opt` not a `jaxamp.nnx.Optimizer` built for it.
+    """
+    graphdef, state, fp8, rest = _split(model, opt)
+    return _fidelity(graphdef, loss_fn, accum_steps, state, fp8, rest, batch)
+
+
+def fp8_ranges(model: nnx.Module, opt: Optimizer, batch: PyTree,
+               loss_fn: Callable[[nnx.Module, PyTree], Any]) -> list[dict]:
+    """`jaxamp.fp8_report.fp8_ranges` for an NNX model: per FP8 op (`Fp8DotGeneral`, `Fp8Einsum`, or a linen FP8 op
+    through `nnx.bridge`) and tensor, this batch's amax against the op's current scale, and the fractions that
+    saturate or flush in e4m3 (inputs, kernels: max 448) and e5m2 (output gradients: max 57344).
+
+    Args:
+      model, opt, batch, loss_fn: as for `train_step`. Nothing changes.
+
+    Returns:
+      `fp8_report.fp8_ranges`'s rows; `layer` is the op's path in the model (`"l1/dot_general"`).
+
+    Raises:
+      ValueError: the model has no `Fp8Meta` variables, or `loss_fn` calls no FP8 op; or as `grad_fidelity`.
+    """
+    graphdef, state, fp8, rest = _split(model, opt)
+    if not fp8:
+        raise ValueError("the model has no FP8 variables: build its layers with jaxamp.nnx.Fp8DotGeneral "
+                         "(nnx.Linear(..., dot_general=Fp8DotGeneral())) or Fp8Einsum")
+    return fp8_report.ranges_table(*_capture(graphdef, loss_fn, state, fp8, rest, batch))

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxamp import DynamicLossScale, NoOpLossScale, StaticLossScale, TrainState
 from jaxamp import train_step as functional_train_step
-from jaxamp.nnx import Fp8DotGeneral, Fp8Meta, Optimizer, train_step
+from jaxamp.nnx import Fp8DotGeneral, Fp8Einsum, Fp8Meta, Optimizer, train_step
 from jaxamp.state import FP8_COLLECTION
 
 HISTORY = 4
@@ -220,3 +220,184 @@ def test_a_linen_fp8_layer_through_the_nnx_bridge_trains_its_fp8_state():
         assert bool(train_step(model, opt, make_batch(i), bridge_loss)["grads_finite"])
     fp8 = nnx.to_pure_dict(nnx.state(model, Fp8Meta))["Fp8DirectDotGeneralOp_0"]
     assert fp8["input_scale"][0] != 1.0 and int((fp8["input_amax_history"] > 0).sum()) == 3  # one amax per step
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Diagnostics: fp8_ranges and grad_fidelity for NNX, against the linen model of the same variables.
+
+
+def linen_twin(model, opt):
+    """The linen `TrainState` holding `model`'s variables and `opt`'s state (the same names and values)."""
+    variables = {"params": nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+                 FP8_COLLECTION: nnx.to_pure_dict(nnx.state(model, Fp8Meta))}
+    state = opt.train_state(model)
+    return TrainState.create(params=variables, tx=TX, policy=opt.policy, loss_scale=state.loss_scale,
+                             rng=jax.random.key(0))
+
+
+def test_nnx_fp8_ranges_equal_the_linen_report_of_the_same_model_and_change_nothing():
+    from jaxamp.nnx import fp8_ranges
+    from jaxamp.fp8_report import fp8_ranges as linen_fp8_ranges
+
+    model, opt = fresh()
+    for i in range(3):
+        train_step(model, opt, make_batch(i), loss_fn)
+    before = bits((nnx.state(model), nnx.state(opt)))
+    for scale in (1.0, 200.0):
+        batch = make_batch(5, scale=scale)
+        rows = fp8_ranges(model, opt, batch, loss_fn)
+        assert rows == linen_fp8_ranges(linen_twin(model, opt), batch, linen_loss)
+        by = {(r["layer"], r["tensor"]): r for r in rows}
+        assert set(by) == {(f"{l}/dot_general", t) for l in ("l1", "l2") for t in ("input", "kernel", "output_grad")}
+        x_amax = float(jnp.max(jnp.abs(batch["x"].astype(jnp.bfloat16))).astype(jnp.float32))
+        assert by[("l1/dot_general", "input")]["amax"] == x_amax
+        assert by[("l1/dot_general", "input")]["capacity"] == pytest.approx(
+            float(fp8_of(model)["input_amax_history"].max()), rel=1e-6)
+        saturated = by[("l1/dot_general", "input")]["saturated"]
+        assert (saturated < 0.01) if scale == 1.0 else (saturated > 0.9)  # batch 5's amax is 3.5 > 2.95 in history
+    assert bits((nnx.state(model), nnx.state(opt))) == before
+    plain = nnx.Linear(8, 1, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="no FP8 variables"):
+        fp8_ranges(plain, Optimizer(plain, TX, policy="bf16", loss_scale=NoOpLossScale()), make_batch(0),
+                   lambda m, b: jnp.mean(m(b["x"].astype(jnp.bfloat16)).astype(jnp.float32)))
+
+
+class LinenPlainMLP(nn.Module):
+    """`LinenFp8MLP` without its FP8 ops (the reference the fidelity check compares with)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1, use_bias=False, name="l2")(jnp.tanh(nn.Dense(32, name="l1")(x)))
+
+
+def test_grad_fidelity_bypasses_fp8_ops_in_its_reference_and_the_nnx_form_equals_the_linen_one():
+    from jaxamp.fidelity import grad_fidelity as linen_grad_fidelity
+    from jaxamp.nnx import grad_fidelity
+
+    model, opt = fresh()
+    for i in range(3):
+        train_step(model, opt, make_batch(i), loss_fn)
+    batch, twin = make_batch(5), linen_twin(model, opt)
+
+    def plain_loss(params, batch, rng):
+        del rng
+        y = LinenPlainMLP().apply(params, batch["x"].astype(params["params"]["l1"]["kernel"].dtype))
+        return jnp.mean(jnp.square(y.astype(jnp.float32) - batch["y"]))
+
+    fidelity = jax.jit(linen_grad_fidelity, static_argnames=("loss_fn", "reference_loss_fn"))
+    bypassed = fidelity(twin, batch, linen_loss)  # no reference given: FP8 ops bypassed
+    explicit = fidelity(twin, batch, linen_loss, reference_loss_fn=plain_loss)
+    errors = grad_fidelity(model, opt, batch, loss_fn)
+    assert set(errors) == {"l1/bias", "l1/kernel", "l2/kernel"}
+    for k in errors:
+        assert float(bypassed[f"params/{k}"]) == float(explicit[f"params/{k}"]) == float(errors[k]), k
+        assert 1e-3 < float(errors[k]) < 0.25, (k, float(errors[k]))  # e4m3: 3 mantissa bits
+    # The reference is float32 without FP8: under an fp32 policy the FP8 path alone makes the error.
+    no_fp8 = {k: float(v) for k, v in grad_fidelity(model, Optimizer(model, TX, policy="fp32",
+                                                                    loss_scale=NoOpLossScale()), batch,
+                                                    loss_fn).items()}
+    assert all(v > 1e-3 for v in no_fp8.values()), no_fp8
+    dense = nnx.Linear(8, 1, rngs=nnx.Rngs(0))
+    exact = grad_fidelity(dense, Optimizer(dense, TX, policy="fp32", loss_scale=NoOpLossScale()), batch,
+                          lambda m, b: jnp.mean(jnp.square(m(b["x"]) - b["y"])))
+    assert {k: float(v) for k, v in exact.items()} == {"bias": 0.0, "kernel": 0.0}
+
+
+class EinsumMLP(nnx.Module):
+    """`Fp8MLP` with `nnx.Einsum` layers and `Fp8Einsum` ops; `eqn` of the first layer (`"bi,io->bo"` or the
+    transposed output `"bi,io->ob"`, which `jnp.einsum` contracts kernel first)."""
+
+    def __init__(self, rngs: nnx.Rngs, eqn: str = "bi,io->bo"):
+        self.eqn = eqn
+        self.l1 = nnx.Einsum(eqn, (8, 32), (32,) if eqn.endswith("bo") else None, einsum_op=Fp8Einsum(HISTORY),
+                             rngs=rngs)
+        self.l2 = nnx.Einsum("bi,io->bo", (32, 1), einsum_op=Fp8Einsum(HISTORY), rngs=rngs)
+
+    def __call__(self, x):  # [batch, 8] -> [batch, 1]
+        h = self.l1(x)  # [batch, 32], or [32, batch] for "->ob"
+        return self.l2(jnp.tanh(h if self.eqn.endswith("bo") else h.T))
+
+
+class LinenEinsumMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        def layer(name, shape, bias):
+            w = self.param(f"{name}_kernel", nn.initializers.zeros, shape, jnp.float32).astype(x.dtype)
+            b = self.param(f"{name}_bias", nn.initializers.zeros, shape[-1:], jnp.float32) if bias else None
+            return w, b, nn.Fp8Einsum(amax_history_length=HISTORY, name=f"{name}_op")
+
+        w1, b1, op1 = layer("l1", (8, 32), True)
+        w2, _, op2 = layer("l2", (32, 1), False)
+        return op2("bi,io->bo", jnp.tanh(op1("bi,io->bo", x, w1) + b1.astype(x.dtype)), w2)
+
+
+def einsum_loss(model, batch):
+    y = model(batch["x"].astype(model.l1.kernel.dtype))
+    return jnp.mean(jnp.square(y.astype(jnp.float32) - batch["y"]))
+
+
+def test_nnx_fp8_einsum_trains_bitwise_as_flax_linen_fp8_einsum():
+    model = EinsumMLP(nnx.Rngs(0))
+    opt = Optimizer(model, TX, policy="fp8", loss_scale=NoOpLossScale())
+    nnx_vars = nnx.to_pure_dict(nnx.state(model))
+    params = {"l1_kernel": nnx_vars["l1"]["kernel"], "l1_bias": nnx_vars["l1"]["bias"],
+              "l2_kernel": nnx_vars["l2"]["kernel"]}
+    fp8 = {"l1_op": nnx_vars["l1"]["einsum_op"], "l2_op": nnx_vars["l2"]["einsum_op"]}
+    state = TrainState.create(params={"params": params, FP8_COLLECTION: fp8}, tx=TX, policy="fp8",
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(0))
+
+    def linen_loss(params, batch, rng):
+        del rng
+        y = LinenEinsumMLP().apply(params, batch["x"].astype(jnp.bfloat16))
+        return jnp.mean(jnp.square(y.astype(jnp.float32) - batch["y"]))
+
+    step = jax.jit(functional_train_step, static_argnames="loss_fn")
+    losses = []
+    for i in range(20):
+        state, linen_metrics = step(state, make_batch(i % 4), linen_loss)
+        losses.append(float(train_step(model, opt, make_batch(i % 4), einsum_loss)["loss"]))
+        assert losses[-1] == float(linen_metrics["loss"]), i
+    assert np.mean(losses[-3:]) < 0.5 * np.mean(losses[:3]), losses
+    now = nnx.to_pure_dict(nnx.state(model))
+    assert bits(now["l1"]["einsum_op"]) == bits(state.params[FP8_COLLECTION]["l1_op"])
+    assert bits(now["l2"]["kernel"]) == bits(state.params["params"]["l2_kernel"])
+
+
+def test_each_tensor_keeps_its_own_scale_where_jnp_einsum_contracts_the_kernel_first():
+    """`"bi,io->ob"`: jnp.einsum calls dot_general(kernel, inputs); Flax's linen op then files the kernel's amax
+    under input_amax_history. jaxamp's NNX op keeps the names right, and fp8_ranges reads the right variables for
+    both."""
+    from jaxamp.fp8_report import einsum_swaps
+    from jaxamp.fp8_report import fp8_ranges as linen_fp8_ranges
+    from jaxamp.nnx import fp8_ranges
+
+    assert einsum_swaps("bi,io->ob", (4, 8), (8, 32)) and not einsum_swaps("bi,io->bo", (4, 8), (8, 32))
+    model = EinsumMLP(nnx.Rngs(0), eqn="bi,io->ob")
+    opt = Optimizer(model, TX, policy="fp8", loss_scale=NoOpLossScale())
+    batch = make_batch(0, scale=4.0)
+    w_amax = float(jnp.max(jnp.abs(model.l1.kernel[...].astype(jnp.bfloat16))).astype(jnp.float32))
+    train_step(model, opt, batch, einsum_loss)
+    f = nnx.to_pure_dict(nnx.state(model.l1.einsum_op))
+    x_amax = float(jnp.max(jnp.abs(batch["x"].astype(jnp.bfloat16))).astype(jnp.float32))
+    assert (f["input_amax_history"][0], f["kernel_amax_history"][0]) == (x_amax, w_amax)
+    assert x_amax > 5 * w_amax  # told apart
+    rows = {r["tensor"]: r for r in fp8_ranges(model, opt, batch, einsum_loss) if r["layer"] == "l1/einsum_op"}
+    assert rows["input"]["amax"] == x_amax and rows["input"]["saturated"] == 0.0
+    assert rows["input"]["capacity"] == pytest.approx(x_amax, rel=1e-6)
+    # Flax's linen op, same equation: the kernel's amax lands in input_amax_history; fp8_ranges pairs each tensor
+    # with the variables that scale it.
+    net = nn.Fp8Einsum(amax_history_length=HISTORY)
+    w = jnp.asarray(model.l1.kernel[...]).astype(jnp.bfloat16)
+    variables = net.init(jax.random.key(0), "bi,io->ob", batch["x"].astype(jnp.bfloat16), w)
+
+    def op_loss(params, batch, rng):
+        del rng
+        return jnp.mean(net.apply(params, "bi,io->ob", batch["x"].astype(jnp.bfloat16), w).astype(jnp.float32) ** 2)
+
+    state = TrainState.create(params=variables, tx=TX, policy="fp8", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(0))
+    state, _ = functional_train_step(state, batch, op_loss)
+    linen = state.params[FP8_COLLECTION]
+    assert float(linen["input_amax_history"][0]) == float(jnp.max(jnp.abs(w)).astype(jnp.float32))
+    rows = {r["tensor"]: r for r in linen_fp8_ranges(state, batch, op_loss)}
+    assert rows["input"]["amax"] == x_amax and rows["input"]["capacity"] == pytest.approx(x_amax, rel=1e-6)

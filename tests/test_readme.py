@@ -53,10 +53,11 @@ def test_readme_nnx_examples_run(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert len(lines) == 8, lines
+    assert len(lines) == 9, lines
     mlp = [line.split() for line in lines[:3]]
     assert [s[1:] for s in mlp] == [["True", "float32"]] * 3, lines  # finite steps, float32 master weights
     for losses in ([float(s[0]) for s in mlp], [float(line) for line in lines[3:6]]):
         assert losses == sorted(losses, reverse=True), lines  # MLP and Transformer block losses fall
     assert lines[6] == "4 True True", lines  # restored model and optimizer continue exactly
     assert lines[7] == "True True", lines  # the FP8 MLP: finite steps, delayed scaling moved its input scale
+    assert lines[8] == "l1/dot_general input ['l1/bias', 'l1/kernel', 'l2/bias', 'l2/kernel']", lines  # diagnostics
