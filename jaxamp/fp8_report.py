@@ -8,7 +8,9 @@ scale 1: the FP8 state is stored loss-scale free) and reports, per op and tensor
 
 - `amax`: the largest |value| of this batch; `capacity`: the largest |value| the scale can hold (format max x
   scale); `amax / capacity` above 1 means values saturate (clip to the format max);
-- `saturated`: the fraction of values clipped; `flushed`: nonzero values that round to 0 (|x / scale| at most half
+- `saturated`: the fraction of values the clip changes beyond rounding (|x / scale| past 464 for e4m3, at least
+  61440 for e5m2, where an unclipped cast gives NaN or inf; a value at the amax that set the scale, 448.00003 after
+  the division, rounds to 448 and is not counted); `flushed`: nonzero values that round to 0 (|x / scale| at most half
   the smallest subnormal); `below_normal`: nonzero values held as subnormals (fewer significant bits) or flushed.
 
 | | largest finite | smallest normal | smallest subnormal | flushes to 0 when \\|x / scale\\| <= |
@@ -39,7 +41,9 @@ from jaxamp.state import FP8_COLLECTION, TrainState, split_fp8
 PyTree = Any
 
 FP8_FORMATS: dict[str, FloatFormat] = {
-    "e4m3": FloatFormat("float8_e4m3fn", 448.0, 464.0, 2.0**-6, 2.0**-9, 2.0**-10),
+    # e4m3fn has no inf: above 464 (halfway to 480, a tie that rounds to 448's even mantissa) a cast gives NaN.
+    "e4m3": FloatFormat("float8_e4m3fn", 448.0, float(np.nextafter(np.float32(464), np.float32(np.inf))), 2.0**-6,
+                        2.0**-9, 2.0**-10),
     "e5m2": FloatFormat("float8_e5m2", 57344.0, 61440.0, 2.0**-14, 2.0**-16, 2.0**-17),
 }
 # tensor -> (format, the op's scale variable, the op's amax-history variable)
@@ -201,7 +205,7 @@ def _row(layer: str, tensor: str, values: np.ndarray, history: np.ndarray, scale
     amax = float(np.max(np.abs(values.astype(np.float32)))) if values.size else 0.0
     return {"layer": layer, "tensor": tensor, "format": fmt.name, "amax": amax, "scale": s,
             "capacity": fmt.max * s, "amax_over_capacity": amax / (fmt.max * s),
-            "saturated": float(np.mean(a > fmt.max)), "flushed": float(np.mean(nonzero & (a <= fmt.flush_at))),
+            "saturated": float(np.mean(a >= fmt.overflow_at)), "flushed": float(np.mean(nonzero & (a <= fmt.flush_at))),
             "below_normal": float(np.mean(nonzero & (a < fmt.smallest_normal)))}
 
 

@@ -39,7 +39,8 @@ from jaxamp.step import eval_step, train_step
 from jaxamp.resume import _resume
 from jaxamp.stopping import DivergenceError, DivergenceGuard, StopRequest
 from jaxamp.train_config import ConfigError, TrainConfig, _validate_scale_out, validate
-from jaxamp.train_log import _header, _open_logger, _records, _report_fidelity, _report_skips, _say, _summary_line
+from jaxamp.train_log import (_header, _open_logger, _records, _report_fidelity, _report_skips, _say, _summary_line,
+                               _warn)
 from jaxamp.workdir import (BPE_DIR, STORAGE_ERRNOS, SUMMARY_DIGEST, WorkdirWriteError, _open_workdir, _read_summary,
                             _resume_advice, _write_summary)
 
@@ -241,14 +242,14 @@ def _finished(run: Run, workdir: Path, state: TrainState, history: list[dict] | 
     if history is not None and is_main_process():
         line = sync_metrics(path, [r for r in history if r["step"] <= step])
         if line is not None:
-            _say(f"warning: {path} differed from the copy saved with checkpoint step {step} from line {line} on; "
+            _warn(f"{path} differed from the copy saved with checkpoint step {step} from line {line} on; "
                  "rewritten from it")
     summary, why = _read_summary(workdir / "summary.json")
     if summary is None or summary.get("steps") != step:
         why = why or f"written before step {step} (stopped in between)"
         summary = {**_summary(run, state, read_metrics(path), 0.0), "stopped_by": None}
         _write_summary(workdir, summary)
-        _say(f"warning: {workdir / 'summary.json'} was {why}; rewritten from checkpoint step {step} and the metrics")
+        _warn(f"{workdir / 'summary.json'} was {why}; rewritten from checkpoint step {step} and the metrics")
     _say(f"{workdir} already holds step {step} (--steps {run.cfg.steps}): nothing to train; raise --steps to "
          "continue")
     _say(_summary_line(summary))

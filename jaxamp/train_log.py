@@ -6,6 +6,7 @@ other processes keep the same records in memory, `_NullLogger`).
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,12 @@ def _say(message: str) -> None:
     """Prints from process 0 only (every process runs the same loop)."""
     if is_main_process():
         print(message, flush=True)
+
+
+def _warn(message: str) -> None:
+    """`warning: message` on stderr (beside the checkpointer's warnings), from process 0 only."""
+    if is_main_process():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _records(metrics: list[dict], first_step: int, t0: float, tokens_per_step: int) -> list[dict]:
@@ -88,7 +95,7 @@ def _open_logger(workdir: Path, step: int, history: list[dict] | None):
     except ValueError as err:  # no copy in the checkpoint (saved by an older jaxamp) and a damaged record
         raise ConfigError(str(err)) from None
     if logger.repaired_line is not None:
-        _say(f"warning: {logger.path} differed from the copy saved with checkpoint step {step} from line "
+        _warn(f"{logger.path} differed from the copy saved with checkpoint step {step} from line "
              f"{logger.repaired_line} on; rewritten from it")
     return logger
 

@@ -18,7 +18,7 @@ from jaxamp.checkpoint import Checkpointer
 from jaxamp.metrics_log import scan_metrics
 from jaxamp.sharding import is_main_process
 from jaxamp.train_config import ConfigError, TrainConfig
-from jaxamp.train_log import _say
+from jaxamp.train_log import _warn
 
 
 BPE_DIR = "tokenizer"  # WORKDIR/tokenizer: a BPE tokenizer trained by the run and its token files (jaxamp.corpus)
@@ -62,8 +62,8 @@ class _WorkdirLock:
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 self.release()
                 return self._BUSY, ""
-            _say(f"warning: cannot lock {workdir / 'lock'} ({err.strerror}; the filesystem may not support flock): "
-                 "running without the guard against a second run on this workdir")
+            _warn(f"cannot lock {workdir / 'lock'} ({err.strerror}; the filesystem may not support flock): "
+                  "running without the guard against a second run on this workdir")
         return 0, ""
 
     def release(self) -> None:

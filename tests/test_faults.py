@@ -273,7 +273,7 @@ def test_damaged_metrics_and_summary_are_rewritten_from_the_checkpoint(tmp_path,
     assert train_lm.main([*args, "--steps", "12", "--workdir", str(run)]) == 0  # resumes from step 8
     line = good[:offset].count(b"\n") + 1
     assert (f"metrics.jsonl differed from the copy saved with checkpoint step 8 from line {line} on; rewritten"
-            in capsys.readouterr().out)
+            in capsys.readouterr().err)  # warnings go to stderr
     finished = (run / "metrics.jsonl").read_bytes()
     assert finished.startswith(good) and [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(
         range(1, 13))
@@ -284,9 +284,9 @@ def test_damaged_metrics_and_summary_are_rewritten_from_the_checkpoint(tmp_path,
     _flip(run / "summary.json", text.index(b'"train_loss": ') + 16, 0x01)  # a digit stays a digit
     assert json.loads((run / "summary.json").read_text())["train_loss"] != summary["train_loss"]
     assert train_lm.main([*args, "--steps", "12", "--workdir", str(run)]) == 0
-    out = capsys.readouterr().out
-    assert "metrics.jsonl differed from the copy saved with checkpoint step 12" in out
-    assert "summary.json was damaged (it does not match its sha256); rewritten" in out and "nothing to train" in out
+    out, err = capsys.readouterr()
+    assert "metrics.jsonl differed from the copy saved with checkpoint step 12" in err
+    assert "summary.json was damaged (it does not match its sha256); rewritten" in err and "nothing to train" in out
     assert (run / "metrics.jsonl").read_bytes() == finished
     timing = ("wall_s", "sha256")
     repaired = json.loads((run / "summary.json").read_text())

@@ -344,3 +344,18 @@ def test_fp8_state_shards_like_the_rest_and_matches_one_device():
     # Params: the cross-device sum changes the order of additions; Adam (lr 1e-2) turns that into differences far
     # below one learning-rate step (measured 1.2e-4), as the README's scaling section explains.
     assert out["fp8_equal"] and out["diff"] < 2e-3
+
+
+def test_fp8_ranges_count_as_saturated_only_what_the_clip_changes_beyond_rounding():
+    """9.383188 / (9.383188 / 448) is 448.00003 in float32: the value that set the scale rounds to 448, not saturated.
+    e4m3 casts above 464 to NaN (the clip matters there), e5m2 from 61440 on to inf."""
+    from jaxamp.fp8_report import _row
+
+    amax = np.float32(9.383188)
+    assert np.abs(np.array([amax])) / (float(amax) / 448.0) > 448  # the division rounds up
+    history, scale = np.array([amax], np.float32), np.array([1.0], np.float32)
+    at_amax = _row("d", "input", np.array([amax, amax / 2], np.float32), history, scale)
+    assert at_amax["saturated"] == 0.0 and at_amax["amax_over_capacity"] == pytest.approx(1.0)
+    assert _row("d", "input", np.array([amax * 1.035, amax * 1.036], np.float32), history, scale)["saturated"] == 0.5
+    grads = np.array([amax * 1.0714, amax * 1.0715], np.float32)  # 61438.6 and 61444.4 after the division
+    assert _row("d", "output_grad", grads, history, scale)["saturated"] == 0.5

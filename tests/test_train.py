@@ -365,7 +365,7 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, capsys):
     summary_path = tmp_path / "run" / "summary.json"
     summary_path.write_text(json.dumps({**json.loads(summary_path.read_text()), "steps": 3}))
     assert train_lm.main([*args, "--steps", "4"]) == 0
-    assert f"warning: {summary_path} was damaged (it does not match its sha256); rewritten" in capsys.readouterr().out
+    assert f"warning: {summary_path} was damaged (it does not match its sha256); rewritten" in capsys.readouterr().err
     assert json.loads(summary_path.read_text())["steps"] == 4
 
 
