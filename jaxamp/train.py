@@ -164,10 +164,8 @@ def build(cfg: TrainConfig) -> Run:
 
     step_fn = jax.jit(step_with_lr, donate_argnums=0)
     eval_fn = jax.jit(lambda s, b: eval_step(s, b, loss_fn)["loss"])
-    # FP8: the float32 reference runs the same model without FP8 ops.
-    reference = make_loss_fn(TransformerLM(dataclasses.replace(model_cfg, fp8=False))) if model_cfg.fp8 else None
-    fidelity_fn = jax.jit(lambda s, b: grad_fidelity(s, b, loss_fn, accum_steps=cfg.accum_steps,
-                                                     reference_loss_fn=reference))
+    # FP8: the float32 reference bypasses the FP8 ops (the same model without them; grad_fidelity does it).
+    fidelity_fn = jax.jit(lambda s, b: grad_fidelity(s, b, loss_fn, accum_steps=cfg.accum_steps))
     if mesh is not None:  # shardings pinned: a step's output feeds the next one (and a restore) with no recompile
         step_fn = jit_train_step(step_with_lr, mesh)
         eval_fn = jit_eval_step(lambda s, b: eval_step(s, b, loss_fn)["loss"], mesh)

@@ -309,7 +309,7 @@ def test_a_filesystem_without_flock_runs_with_a_warning(tmp_path, capsys, monkey
     corpus = _small_corpus(tmp_path / "corpus.txt")
     args = [*_quick(corpus), "--steps", "2"]
     assert train_lm.main([*args, "--workdir", str(tmp_path / "run")]) == 0
-    assert "running without the guard against a second run" in capsys.readouterr().out
+    assert "running without the guard against a second run" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("when", ["before the first step", "during the last step", "after the loop"])
@@ -586,3 +586,14 @@ def test_fidelity_every_writes_grad_rel_err(corpus, tmp_path, capsys):
     errors = records[1]["grad_rel_err"]
     assert set(errors) >= {"wte/embedding", "h_0/mlp/c_fc/kernel"} and 0 < max(errors.values()) < 0.02
     assert "gradient error against float32, worst leaves:" in capsys.readouterr().out
+
+
+def test_fidelity_every_in_an_fp8_run_compares_with_the_model_without_fp8(corpus, tmp_path):
+    """The reference bypasses the FP8 ops, so the error holds what e4m3/e5m2 cost: well above bf16's 0.4%."""
+    workdir = tmp_path / "fidelity"
+    code = train_lm.main(["--data", str(corpus), "--precision", "fp8", "--steps", "2", "--fidelity-every", "2",
+                          "--workdir", str(workdir), *TINY])
+    assert code == 0
+    errors = read_metrics(workdir / "metrics.jsonl")[1]["grad_rel_err"]
+    assert "params/h_0/mlp/c_fc/kernel" in errors and not any("amax" in k or "_scale" in k for k in errors)
+    assert 0.02 < errors["params/h_0/mlp/c_fc/kernel"] < 0.5, errors
