@@ -8,6 +8,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax.linen import fp8_ops
 
 from jaxamp.grad_stats import underflow_stats
 from jaxamp.state import TrainState, merge_fp8, merge_frozen, split_fp8, split_frozen
@@ -104,6 +105,16 @@ def _fp8_in_scaled_units(fp8: PyTree, loss_scale, inverse: bool = False) -> PyTr
     return jax.tree_util.tree_map_with_path(convert, fp8)
 
 
+def _max_combined(fp8: PyTree) -> PyTree:
+    """The FP8 collection as Flax's `fp32_max_grad` ("fm32") dtype: float32 whose cotangents add by maximum. An FP8
+    op called more than once in one loss (a weight-shared layer, one op in two layers) then gets the largest of its
+    calls' new amax histories and scales as its "gradient", not their sum (which doubles the history every step).
+    Flax's ops compute in float32 from it and return the new values in it; one call gives bitwise the same values."""
+    if fp8 is None:
+        return None
+    return jax.tree.map(lambda x: jax.lax.convert_element_type(x, fp8_ops.fp32_max_grad), fp8)
+
+
 def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
     """Scaled loss -> gradients w.r.t. the trainable compute-dtype params (still scaled, in the compute dtype), the
     FP8 collection's new values (loss-scale free) and, for a stateful `loss_fn`, its new state.
@@ -116,7 +127,7 @@ def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
     train_c, frozen_c, fp8 = params_c
 
     def scaled_loss(train, fp8_scaled):
-        params = merge_fp8(merge_frozen(train, frozen_c), fp8_scaled)
+        params = merge_fp8(merge_frozen(train, frozen_c), _max_combined(fp8_scaled))
         if carry is None:
             out, new_carry = loss_fn(params, batch, rng), None
         else:

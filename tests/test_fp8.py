@@ -359,3 +359,37 @@ def test_fp8_ranges_count_as_saturated_only_what_the_clip_changes_beyond_roundin
     assert _row("d", "input", np.array([amax * 1.035, amax * 1.036], np.float32), history, scale)["saturated"] == 0.5
     grads = np.array([amax * 1.0714, amax * 1.0715], np.float32)  # 61438.6 and 61444.4 after the division
     assert _row("d", "output_grad", grads, history, scale)["saturated"] == 0.5
+
+
+class SharedNet(nn.Module):
+    """One FP8 Dense applied twice (a weight-shared layer)."""
+
+    @nn.compact
+    def __call__(self, x):
+        dense = Dense(8, use_bias=False, fp8=True, fp8_amax_history=HISTORY, name="d")
+        return dense(jax.nn.relu(dense(x)))
+
+
+def test_a_linen_fp8_op_called_twice_keeps_the_larger_amax_not_the_sum():
+    """The two calls' new values combine by maximum (Flax's fp32_max_grad dtype), not by sum: the sum doubled the
+    history every step until the loss flushed to 0."""
+    net = SharedNet()
+    state = TrainState.create(params=net.init(jax.random.key(0), jnp.zeros((1, 8))), tx=optax.sgd(0.0),
+                              policy="fp8", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+
+    def loss(params, batch, rng):
+        del rng
+        return jnp.mean(jnp.square(net.apply(params, batch["x"].astype(jnp.bfloat16)).astype(jnp.float32)))
+
+    batch = {"x": jax.random.normal(jax.random.key(2), (4, 8))}
+    for _ in range(20):
+        state, metrics = STEP(state, batch, loss)
+    fp8 = state.params[FP8_COLLECTION]["d"]["fp8"]
+    kernel_amax = float(jnp.max(jnp.abs(state.params["params"]["d"]["kernel"].astype(jnp.bfloat16))).astype(
+        jnp.float32))
+    assert float(fp8["kernel_amax_history"].max()) == kernel_amax
+    # Fixed weights, one batch: every step records the same input amax (the larger call's), as a sum would not.
+    history = np.asarray(fp8["input_amax_history"])
+    assert (history == history[0]).all() and history[0] >= float(
+        jnp.max(jnp.abs(batch["x"].astype(jnp.bfloat16))).astype(jnp.float32))
+    assert bool(metrics["grads_finite"]) and float(metrics["loss"]) > 0.01

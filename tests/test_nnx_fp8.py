@@ -401,3 +401,35 @@ def test_each_tensor_keeps_its_own_scale_where_jnp_einsum_contracts_the_kernel_f
     assert float(linen["input_amax_history"][0]) == float(jnp.max(jnp.abs(w)).astype(jnp.float32))
     rows = {r["tensor"]: r for r in linen_fp8_ranges(state, batch, op_loss)}
     assert rows["input"]["amax"] == x_amax and rows["input"]["capacity"] == pytest.approx(x_amax, rel=1e-6)
+
+
+class SharedOp(nnx.Module):
+    """One `nnx.Linear` with an FP8 op applied twice (a weight-shared layer)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.l = nnx.Linear(8, 8, dot_general=Fp8DotGeneral(HISTORY), rngs=rngs)
+
+    def __call__(self, x):
+        return self.l(nnx.relu(self.l(x)))
+
+
+def test_an_fp8_op_called_twice_keeps_the_larger_amax_not_the_sum():
+    """Before: the two calls' new histories and scales were summed, doubling the history every step; the loss was 0.0
+    by step 19 (everything flushed) and NaN by step 73. Now they combine by maximum (Flax's fp32_max_grad dtype)."""
+    model = SharedOp(nnx.Rngs(0))
+    opt = Optimizer(model, optax.sgd(0.0), policy="fp8", loss_scale=NoOpLossScale())  # weights fixed
+
+    def shared_loss(model, x):
+        return jnp.mean(jnp.square(model(x.astype(jnp.bfloat16)).astype(jnp.float32)))
+
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    for _ in range(30):
+        metrics = train_step(model, opt, x, shared_loss)
+    op = fp8_of(model, "l")
+    kernel_amax = float(jnp.max(jnp.abs(model.l.kernel[...].astype(jnp.bfloat16))).astype(jnp.float32))
+    assert float(op["kernel_amax_history"].max()) == kernel_amax
+    assert op["kernel_scale"][0] == pytest.approx(kernel_amax / 448, rel=1e-6)
+    x_amax = float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))).astype(jnp.float32))
+    # The larger of the two calls' input amax (the first call's: x), not their sum, which doubled every step.
+    assert float(op["input_amax_history"].max()) == x_amax
+    assert bool(metrics["grads_finite"]) and float(metrics["loss"]) > 0.1
