@@ -20,7 +20,7 @@ from jaxamp.fp8_report import fp8_bypassed
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.precision import leaf_path
 from jaxamp.state import TrainState, split_fp8
-from jaxamp.step import LossFn, _gradients
+from jaxamp.step import LossFn, _gradients, check_options
 
 PyTree = Any
 _F32 = jmp.Policy(jnp.float32, jnp.float32, jnp.float32)
@@ -48,27 +48,42 @@ def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
     Returns:
       `{leaf path: f32[] error}`, keys as `jaxamp.precision.leaf_path` writes them (`"h_0/mlp/c_fc/kernel"`);
       inf where the mixed-precision gradient is not finite; 0 where both gradients are exactly 0.
+
+    Raises:
+      ValueError: a bad `loss_fn` or `accum_steps` (one line, as `train_step` says).
     """
-    mixed, exact = gradient_pair(state, batch, loss_fn, accum_steps=accum_steps, reference_loss_fn=reference_loss_fn)
+    return errors(*gradient_pair(state, batch, loss_fn, accum_steps=accum_steps,
+                                 reference_loss_fn=reference_loss_fn))
+
+
+def errors(mixed: PyTree, exact: PyTree) -> dict[str, jax.Array]:
+    """`{leaf path: f32[] relative L2 error}` of two gradient trees of the same structure."""
     flat, _ = jax.tree_util.tree_flatten_with_path(mixed)
     refs = jax.tree.leaves(exact)
     return {leaf_path(path): _rel_err(g, r) for (path, g), r in zip(flat, refs)}
 
 
 def gradient_pair(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_steps: int = 1,
-                  reference_loss_fn: LossFn | None = None) -> tuple[PyTree, PyTree]:
+                  reference_loss_fn: LossFn | None = None, carry: PyTree = None) -> tuple[PyTree, PyTree]:
     """`(mixed, float32)`: the unscaled float32 gradients of the trainable params as `train_step` computes them, and
     the same under a float32 policy with no loss scale (same batch, params and rng; `reference_loss_fn`, if given,
-    on the params without the FP8 collection). Jit-able."""
+    on the params without the FP8 collection). With a `carry`, `loss_fn` is stateful as for
+    `jaxamp.step.train_step_with_carry` (`jaxamp.nnx`'s RNG counts and statistics), and both passes run it through
+    the micro-batches from the same `carry`. Jit-able.
+
+    Raises:
+      ValueError: a bad `loss_fn` or `accum_steps`, as `train_step` says.
+    """
+    check_options(loss_fn, accum_steps)
     rng = jax.random.fold_in(state.rng, state.step)
-    mixed = _gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, False).grads
+    mixed = _gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, False, carry).grads
     reference = state.replace(policy=_F32)
     if reference_loss_fn is not None:
         reference = reference.replace(params=split_fp8(state.params)[0])
     elif split_fp8(state.params)[1] is not None:
         reference_loss_fn = _without_fp8(loss_fn)
     exact = _gradients(reference, batch, reference_loss_fn or loss_fn, NoOpLossScale(), rng, accum_steps,
-                       False).grads
+                       False, carry).grads
     return mixed, exact
 
 

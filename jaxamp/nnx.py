@@ -50,7 +50,7 @@ from jaxamp.loss_scale import LossScale
 from jaxamp.nnx_fp8 import FP8_FILTER as _FP8
 from jaxamp.nnx_fp8 import Fp8DotGeneral, Fp8Einsum, Fp8Meta, _Fp8Op
 from jaxamp.state import FP8_COLLECTION, TrainState, split_fp8
-from jaxamp.step import train_step_with_carry
+from jaxamp.step import check_options, train_step_with_carry
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Meta", "Optimizer", "fp8_ranges", "grad_fidelity", "train_step"]
 
@@ -251,21 +251,36 @@ def _like(new: PyTree, old: PyTree) -> PyTree:
     return jax.tree.map(lambda n, o: n if n.dtype == o.dtype else n.astype(o.dtype), new, old)
 
 
+def _functional_loss(graphdef, loss_fn, trained, fp8_now: dict | None = None):
+    """The user's `loss_fn(model, batch)` as the functional core's stateful loss `f(params, batch, rng, carry) ->
+    (out, new_carry)`: `params` are `_model_params`-shaped (compute dtype), `carry` is the rest of the model's state
+    (`nnx.split(model, trained, _FP8, ...)[3]` as plain arrays). Params and carry merge into a fresh model inside the
+    differentiated function (so NNX's mutations happen at the trace that owns the variables); `fp8_now`, the current
+    FP8 variables, stand in where `params` hold none (the FP8-bypassed reference of `grad_fidelity`). The model's
+    FP8 ops are named by path for `fp8_report`'s recorder while it records."""
+
+    def functional(params_c, batch, rng, carry):
+        del rng  # NNX modules draw from their own nnx.Rngs streams (carried in `carry`)
+        regular, fp8 = split_fp8(params_c)  # the FP8 variables: differentiated, their "gradient" the new value
+        inner = nnx.merge(graphdef, regular, (fp8_now or {}) if fp8 is None else fp8, carry)
+        recorder = fp8_report.active_recorder()
+        if recorder is not None:
+            recorder.names.update({id(node): "/".join(map(str, path)) for path, node in nnx.iter_graph(inner)
+                                   if isinstance(node, _Fp8Op)})
+        out = loss_fn(inner, batch)
+        return out, _like(_pure(nnx.split(inner, trained, _FP8, ...)[3]), carry)
+
+    return functional
+
+
 def _step_in_place(model, opt: Optimizer, batch, loss_fn, options: dict) -> dict:
     """The traced step: split, `train_step_with_carry`, write back. Returns the metrics."""
     trained = _trained(opt.wrt)
     graphdef, _, _, rest = nnx.split(model, trained, _FP8, ...)
     rest = _pure(rest)
     state = opt.train_state(model)  # params: the `wrt` variables, and the FP8 ones under FP8_COLLECTION
-
-    def functional_loss(params_c, batch, rng, carry):
-        del rng  # NNX modules draw from their own nnx.Rngs streams (carried in `carry`)
-        regular, fp8 = split_fp8(params_c)  # the FP8 variables: differentiated, their "gradient" the new value
-        inner = nnx.merge(graphdef, regular, {} if fp8 is None else fp8, carry)  # fresh variables at this level
-        out = loss_fn(inner, batch)
-        return out, _like(_pure(nnx.split(inner, trained, _FP8, ...)[3]), carry)
-
-    new_state, metrics, new_rest = train_step_with_carry(state, batch, functional_loss, rest, **options)
+    new_state, metrics, new_rest = train_step_with_carry(state, batch, _functional_loss(graphdef, loss_fn, trained),
+                                                         rest, **options)
     _update_model(model, new_state.params, _keep_finite(new_rest, rest))
     opt._load(new_state)  # pylint: disable=protected-access
     return metrics
@@ -402,44 +417,28 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
 # Diagnostics: the functional ones, on the model's functional form.
 
 
-def _functional_loss(graphdef, loss_fn, fp8_now: dict, rest: dict):
-    """`loss_fn(model, batch)` as a functional `loss_fn(params, batch, rng)` of `TrainState.params`-shaped params
-    (`_model_params`): merged with the model's other state `rest` (and its current FP8 variables `fp8_now` where the
-    params hold none: the FP8-bypassed reference). The merged model is discarded (its RNG counts and statistics
-    do not go back), and its FP8 ops are named by path for `fp8_report`'s recorder."""
-
-    def functional(params_c, batch, rng):
-        del rng  # NNX modules draw from their own nnx.Rngs streams (in `rest`)
-        regular, fp8 = split_fp8(params_c)
-        inner = nnx.merge(graphdef, regular, fp8_now if fp8 is None else fp8, rest)
-        recorder = fp8_report.active_recorder()
-        if recorder is not None:
-            recorder.names.update({id(node): "/".join(map(str, path)) for path, node in nnx.iter_graph(inner)
-                                   if isinstance(node, _Fp8Op)})
-        return loss_fn(inner, batch)
-
-    return functional
-
-
 def _split(model, opt: Optimizer):
     """`(graphdef, state, fp8, rest)`: the `TrainState` of `opt` and `model`, and what the functional loss needs."""
     _check_model(model)
     if not isinstance(opt, Optimizer):
         raise ValueError(f"opt must be a jaxamp.nnx.Optimizer(model, tx, policy=..., loss_scale=...), got "
                          f"{type(opt).__name__}")
-    graphdef, _, fp8, rest = nnx.split(model, _trained(opt.wrt), _FP8, ...)
-    return graphdef, opt.train_state(model), _pure(fp8), _pure(rest)
+    trained = _trained(opt.wrt)
+    graphdef, _, fp8, rest = nnx.split(model, trained, _FP8, ...)
+    return graphdef, trained, opt.train_state(model), _pure(fp8), _pure(rest)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _fidelity(graphdef, trained, loss_fn, accum_steps, state, fp8, rest, batch):
+    pair = fidelity.gradient_pair(state, batch, _functional_loss(graphdef, loss_fn, trained, fp8),
+                                  accum_steps=accum_steps, carry=rest)
+    return fidelity.errors(*pair)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _fidelity(graphdef, loss_fn, accum_steps, state, fp8, rest, batch):
-    return fidelity.grad_fidelity(state, batch, _functional_loss(graphdef, loss_fn, fp8, rest),
-                                  accum_steps=accum_steps)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _capture(graphdef, loss_fn, state, fp8, rest, batch):
-    return fp8_report.capture(state, batch, _functional_loss(graphdef, loss_fn, fp8, rest))
+def _capture(graphdef, trained, loss_fn, state, fp8, rest, batch):
+    stateful = _functional_loss(graphdef, loss_fn, trained, fp8)
+    return fp8_report.capture(state, batch, lambda p, b, rng: stateful(p, b, rng, rest)[0])
 
 
 def grad_fidelity(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callable[[nnx.Module, PyTree], Any], *,
@@ -462,8 +461,11 @@ def grad_fidelity(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Cal
     Raises:
       ValueError: `model` is not an NNX module or `opt` not a `jaxamp.nnx.Optimizer` built for it.
     """
-    graphdef, state, fp8, rest = _split(model, opt)
-    return _fidelity(graphdef, loss_fn, accum_steps, state, fp8, rest, batch)
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a function loss_fn(model, batch), got {type(loss_fn).__name__}")
+    graphdef, trained, state, fp8, rest = _split(model, opt)
+    check_options(loss_fn, accum_steps)  # before jit: accum_steps is one of its static arguments
+    return _fidelity(graphdef, trained, loss_fn, accum_steps, state, fp8, rest, batch)
 
 
 def fp8_ranges(model: nnx.Module, opt: Optimizer, batch: PyTree,
@@ -481,8 +483,8 @@ def fp8_ranges(model: nnx.Module, opt: Optimizer, batch: PyTree,
     Raises:
       ValueError: the model has no `Fp8Meta` variables, or `loss_fn` calls no FP8 op; or as `grad_fidelity`.
     """
-    graphdef, state, fp8, rest = _split(model, opt)
+    graphdef, trained, state, fp8, rest = _split(model, opt)
     if not fp8:
         raise ValueError("the model has no FP8 variables: build its layers with jaxamp.nnx.Fp8DotGeneral "
                          "(nnx.Linear(..., dot_general=Fp8DotGeneral())) or Fp8Einsum")
-    return fp8_report.ranges_table(*_capture(graphdef, loss_fn, state, fp8, rest, batch))
+    return fp8_report.ranges_table(*_capture(graphdef, trained, loss_fn, state, fp8, rest, batch))

@@ -347,18 +347,8 @@ def train_step_with_carry(state: TrainState, batch: PyTree, loss_fn: Callable, c
     Raises:
       ValueError: as `train_step`.
     """
-    for name, value in (("accum_steps", accum_steps), ("max_retries", max_retries),
-                        ("underflow_stats", underflow_stats)):
-        if isinstance(value, jax.core.Tracer):
-            raise ValueError(f"{name} must be a static Python value: under jax.jit name it in static_argnames, e.g. "
-                             f"jax.jit(train_step, static_argnames=('loss_fn', '{name}'), donate_argnums=0)")
-    if on_overflow not in ("skip", "retry"):
-        raise ValueError(f'on_overflow must be "skip" or "retry", got {on_overflow!r}')
-    for name, value in (("accum_steps", accum_steps), ("max_retries", max_retries)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-    if accum_steps < 1 or max_retries < 0:
-        raise ValueError(f"accum_steps must be >= 1 and max_retries >= 0, got {accum_steps}, {max_retries}")
+    check_options(loss_fn, accum_steps, max_retries=max_retries, on_overflow=on_overflow,
+                  underflow_stats=underflow_stats)
     rng = jax.random.fold_in(state.rng, state.step)
     if on_overflow == "retry":
         loss_scale, g, check, retries, futile = _retry(state, batch, loss_fn, rng, accum_steps, underflow_stats,
@@ -403,6 +393,30 @@ def train_step_with_carry(state: TrainState, batch: PyTree, loss_fn: Callable, c
     if g.stats is not None:
         metrics["underflow"] = g.stats
     return new_state, metrics, g.carry
+
+
+def check_options(loss_fn, accum_steps: int, *, max_retries: int = 0, on_overflow: str = "skip",
+                  underflow_stats: bool = False) -> None:
+    """`train_step`'s checks of its static arguments, shared with `jaxamp.fidelity`.
+
+    Raises:
+      ValueError: in one line, naming the argument and the fix.
+    """
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a function loss_fn(params, batch, rng) -> loss | (loss, aux), got "
+                         f"{type(loss_fn).__name__}")
+    for name, value in (("accum_steps", accum_steps), ("max_retries", max_retries),
+                        ("underflow_stats", underflow_stats)):
+        if isinstance(value, jax.core.Tracer):
+            raise ValueError(f"{name} must be a static Python value: under jax.jit name it in static_argnames, e.g. "
+                             f"jax.jit(train_step, static_argnames=('loss_fn', '{name}'), donate_argnums=0)")
+    if on_overflow not in ("skip", "retry"):
+        raise ValueError(f'on_overflow must be "skip" or "retry", got {on_overflow!r}')
+    for name, value in (("accum_steps", accum_steps), ("max_retries", max_retries)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    if accum_steps < 1 or max_retries < 0:
+        raise ValueError(f"accum_steps must be >= 1 and max_retries >= 0, got {accum_steps}, {max_retries}")
 
 
 def eval_step(state: TrainState, batch: PyTree, loss_fn: LossFn) -> dict:

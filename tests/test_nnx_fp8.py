@@ -433,3 +433,42 @@ def test_an_fp8_op_called_twice_keeps_the_larger_amax_not_the_sum():
     # The larger of the two calls' input amax (the first call's: x), not their sum, which doubled every step.
     assert float(op["input_amax_history"].max()) == x_amax
     assert bool(metrics["grads_finite"]) and float(metrics["loss"]) > 0.1
+
+
+class DropoutScale(nnx.Module):
+    """y = dropout(1) * x * w: w's gradient is the sum of the kept inputs, so it shows each micro-batch's mask."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.w = nnx.Param(jnp.ones(4))
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(jnp.ones_like(x)) * x * self.w[...]
+
+
+def test_nnx_grad_fidelity_with_accumulation_sees_the_masks_train_step_would_draw():
+    """Before: every micro-batch of the recomputation reused the model's RNG counts, so micro-batch 2 drew micro-batch
+    1's mask; train_step draws a new one per micro-batch."""
+    from jaxamp import fidelity
+    from jaxamp import nnx as jnnx
+
+    model = DropoutScale(nnx.Rngs(0, dropout=1))
+    opt = Optimizer(model, optax.sgd(1.0), policy="fp32", loss_scale=NoOpLossScale())
+
+    def dropout_loss(model, x):
+        return jnp.sum(model(x))
+
+    x = jnp.arange(1.0, 9.0).reshape(2, 4)
+    graphdef, trained, state, fp8, rest = jnnx._split(model, opt)  # pylint: disable=protected-access
+    mixed, _ = fidelity.gradient_pair(state, x, jnnx._functional_loss(graphdef, dropout_loss, trained, fp8),
+                                      accum_steps=2, carry=rest)
+    errors = jnnx.grad_fidelity(model, opt, x, dropout_loss, accum_steps=2)
+    w0 = np.asarray(model.w[...])
+    train_step(model, opt, x, dropout_loss, accum_steps=2)
+    np.testing.assert_array_equal(np.asarray(mixed["w"]), w0 - np.asarray(model.w[...]))  # sgd(1): the gradient
+    assert float(errors["w"]) == 0.0  # fp32 against fp32: the same masks in both passes
+    for bad, message in ((0, "accum_steps must be >= 1"), (2.0, "accum_steps must be an integer")):
+        with pytest.raises(ValueError, match=message):
+            jnnx.grad_fidelity(model, opt, x, dropout_loss, accum_steps=bad)
+    with pytest.raises(ValueError, match="loss_fn must be a function"):
+        jnnx.grad_fidelity(model, opt, x, 3)
