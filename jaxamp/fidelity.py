@@ -30,7 +30,8 @@ def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
                   reference_loss_fn: LossFn | None = None) -> dict[str, jax.Array]:
     """Relative L2 error of each trainable leaf's mixed-precision gradient against a float32 recomputation.
 
-    Both gradients are unscaled float32, of the same batch with the same params and the step's rng
+    Both gradients are unscaled float32 (the reference's matmuls at full float32 precision, `"highest"`: not TF32
+    on a GPU), of the same batch with the same params and the step's rng
     (`fold_in(state.rng, state.step)`, as `train_step` draws it), so dropout masks agree. Jit-able; costs two
     forward and backward passes. Nothing in `state` changes.
 
@@ -82,8 +83,11 @@ def gradient_pair(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
         reference = reference.replace(params=split_fp8(state.params)[0])
     elif split_fp8(state.params)[1] is not None:
         reference_loss_fn = _without_fp8(loss_fn)
-    exact = _gradients(reference, batch, reference_loss_fn or loss_fn, NoOpLossScale(), rng, accum_steps,
-                       False, carry).grads
+    # Full float32 matmuls (not TF32 on a GPU). Also part of jit's cache key: a jitted function inside loss_fn is
+    # traced again for the reference, so its FP8 ops are bypassed there, and its cached FP8 trace stays as it was.
+    with jax.default_matmul_precision("highest"):
+        exact = _gradients(reference, batch, reference_loss_fn or loss_fn, NoOpLossScale(), rng, accum_steps,
+                           False, carry).grads
     return mixed, exact
 
 
@@ -91,8 +95,13 @@ def _without_fp8(loss_fn: LossFn) -> LossFn:
     """`loss_fn` traced with every FP8 op computing its plain matmul (the FP8 variables are read by no one)."""
 
     def plain(*args):
-        with fp8_bypassed():
-            return loss_fn(*args)
+        with fp8_bypassed() as block:
+            out = loss_fn(*args)
+        if not block.calls:
+            raise ValueError("grad_fidelity's float32 reference bypassed no FP8 op: loss_fn calls them inside a "
+                             "function that jax.jit or nnx.jit compiled before (its cached trace keeps FP8); call the "
+                             "layers directly in loss_fn, or pass reference_loss_fn (the model without FP8 ops)")
+        return out
 
     return plain
 

@@ -17,6 +17,8 @@ scale 1: the FP8 state is stored loss-scale free) and reports, per op and tensor
 | --- | --- | --- | --- | --- |
 | float8_e4m3fn | 448 | 2^-6 | 2^-9 | 2^-10 |
 | float8_e5m2 | 57344 | 2^-14 | 2^-16 | 2^-17 |
+| float8_e4m3fnuz (Flax's NANOO op, AMD) | 240 | 2^-7 | 2^-10 | 2^-11 |
+| float8_e5m2fnuz (Flax's NANOO op, AMD) | 57344 | 2^-15 | 2^-17 | 2^-18 |
 
 NNX models (`jaxamp.nnx.Fp8DotGeneral`, `jaxamp.nnx.Fp8Einsum`) get the same report from `jaxamp.nnx.fp8_ranges`:
 their ops report to the recorder of `capture` while it runs. `fp8_bypassed()` turns every FP8 op, linen or NNX, into
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -45,11 +48,16 @@ FP8_FORMATS: dict[str, FloatFormat] = {
     "e4m3": FloatFormat("float8_e4m3fn", 448.0, float(np.nextafter(np.float32(464), np.float32(np.inf))), 2.0**-6,
                         2.0**-9, 2.0**-10),
     "e5m2": FloatFormat("float8_e5m2", 57344.0, 61440.0, 2.0**-14, 2.0**-16, 2.0**-17),
+    # The "fnuz" forms of AMD GPUs (Flax's NANOOFp8DotGeneralOp): no inf, no -0, one more binade of subnormals.
+    "e4m3fnuz": FloatFormat("float8_e4m3fnuz", 240.0, 248.0, 2.0**-7, 2.0**-10, 2.0**-11),
+    "e5m2fnuz": FloatFormat("float8_e5m2fnuz", 57344.0, 61440.0, 2.0**-15, 2.0**-17, 2.0**-18),
 }
-# tensor -> (format, the op's scale variable, the op's amax-history variable)
-_TENSORS = {"input": ("e4m3", "input_scale", "input_amax_history"),
-            "kernel": ("e4m3", "kernel_scale", "kernel_amax_history"),
-            "output_grad": ("e5m2", "output_grad_scale", "output_grad_amax_history")}
+_FORMAT_KEYS = tuple(FP8_FORMATS)
+# tensor -> (which of the op's two formats: 0 = its e4m3 dtype, 1 = its e5m2 dtype, the op's scale variable, the op's
+# amax-history variable)
+_TENSORS = {"input": (0, "input_scale", "input_amax_history"),
+            "kernel": (0, "kernel_scale", "kernel_amax_history"),
+            "output_grad": (1, "output_grad_scale", "output_grad_amax_history")}
 
 
 _VARIABLES = [name for _, scale, history in _TENSORS.values() for name in (scale, history)]
@@ -66,8 +74,9 @@ class _Fp8Recorder:
         self.captured: dict[str, dict] = {}
         self.names: dict[int, str] = {}  # id(NNX module) -> its path in the model, set by jaxamp.nnx
 
-    def record(self, key: str, lhs, rhs, variables: dict, out):
-        self.captured[key] = {"input": lhs, "kernel": rhs, "output": out, **variables}
+    def record(self, key: str, lhs, rhs, variables: dict, out, formats=(jnp.float8_e4m3fn, jnp.float8_e5m2)):
+        codes = jnp.array([_FORMAT_KEYS.index(_format_key(f)) for f in formats], jnp.int32)  # i32[2]
+        self.captured[key] = {"input": lhs, "kernel": rhs, "output": out, "formats": codes, **variables}
         if self.perturb is not None and key in self.perturb:
             out = out + self.perturb[key].astype(out.dtype)
         return out
@@ -79,12 +88,23 @@ class _Fp8Recorder:
         variables = {name: context.module.get_variable(FP8_COLLECTION, name) for name in _VARIABLES}
         # The first two array arguments: (lhs, rhs) of a dot_general op, after the equation of `Fp8Einsum`.
         lhs, rhs = [a for a in (*args, *kwargs.values()) if hasattr(a, "shape")][:2]
-        if isinstance(context.module, fp8_ops.Fp8Einsum) and einsum_swaps(args[0], lhs.shape, rhs.shape):
-            # The op quantizes the kernel with its input_* variables and the inputs with its kernel_* ones: each
-            # tensor's row reads the variables that scale it.
-            variables = {name: variables[name.replace("input", "@").replace("kernel", "input").replace("@", "kernel")]
-                         for name in variables}
-        return self.record("/".join(context.module.path), lhs, rhs, variables, out)
+        if isinstance(context.module, fp8_ops.Fp8Einsum):
+            if einsum_swaps(args[0], lhs.shape, rhs.shape):
+                # The op quantizes the kernel with its input_* variables and the inputs with its kernel_* ones: each
+                # tensor's row reads the variables that scale it.
+                variables = {name: variables[name.replace("input", "@").replace("kernel", "input").replace(
+                    "@", "kernel")] for name in variables}
+            lhs, rhs = einsum_operands(args[0], jnp.asarray(lhs, rhs.dtype), rhs)
+        formats = (context.module.e4m3_dtype, context.module.e5m2_dtype)  # e4m3fnuz/e5m2fnuz in the NANOO op
+        return self.record("/".join(context.module.path), lhs, rhs, variables, out, formats)
+
+
+def _format_key(dtype) -> str:
+    name = jnp.dtype(dtype).name
+    for key, fmt in FP8_FORMATS.items():
+        if fmt.name == name:
+            return key
+    raise ValueError(f"fp8_ranges knows the FP8 formats {[f.name for f in FP8_FORMATS.values()]}, not {name}")
 
 
 def active_recorder() -> _Fp8Recorder | None:
@@ -92,15 +112,26 @@ def active_recorder() -> _Fp8Recorder | None:
     return _ACTIVE.get()
 
 
-def record_nnx_op(module, lhs, rhs, out):
-    """Called by an NNX FP8 op with its operands and output: returns the output, perturbed while `fp8_ranges`
-    records (`module`'s path comes from the names the NNX wrapper registered; its FP8 variables are read by name)."""
+def record_nnx_op(module, lhs, rhs, out, eqn: str | None = None):
+    """Called by an NNX FP8 op with its operands (and an einsum's equation) and output: returns the output,
+    perturbed while `fp8_ranges` records (`module`'s path comes from the names the NNX wrapper registered; its FP8
+    variables are read by name).
+
+    Raises:
+      ValueError: the op runs in a trace of its own inside the loss (`nnx.scan`, `nnx.remat`, `jax.checkpoint`,
+        `nnx.jit`), where its values cannot be read out.
+    """
     recorder = _ACTIVE.get()
     if recorder is None:
         return out
-    key = recorder.names.get(id(module), type(module).__name__)
+    if id(module) not in recorder.names:
+        raise ValueError(f"fp8_ranges cannot read a {type(module).__name__} that runs inside a transform of loss_fn "
+                         "(nnx.scan, nnx.remat, jax.checkpoint, nnx.jit: its values live in an inner trace); give "
+                         "fp8_ranges a loss_fn that calls the model's layers directly")
     variables = {name: getattr(module, name)[...] for name in _VARIABLES}
-    return recorder.record(key, lhs, rhs, variables, out)
+    if eqn is not None:
+        lhs, rhs = einsum_operands(eqn, lhs, rhs)
+    return recorder.record(recorder.names[id(module)], lhs, rhs, variables, out)
 
 
 @contextlib.contextmanager
@@ -125,18 +156,57 @@ def einsum_swaps(eqn: str, lhs_shape: tuple, rhs_shape: tuple) -> bool:
         order.append(x.dtype == jnp.bfloat16)  # x is rhs
         return jax.lax.dot_general(x.astype(jnp.float32), y.astype(jnp.float32), dimension_numbers)
 
-    jax.eval_shape(lambda a, b: jnp.einsum(eqn, a, b, preferred_element_type=jnp.bfloat16, _dot_general=probe),
-                   jax.ShapeDtypeStruct(tuple(lhs_shape), jnp.float32),
-                   jax.ShapeDtypeStruct(tuple(rhs_shape), jnp.bfloat16))
+    with jax.numpy_dtype_promotion("standard"):  # a summed-out index: einsum compares the two dtypes
+        jax.eval_shape(lambda a, b: jnp.einsum(eqn, a, b, preferred_element_type=jnp.bfloat16, _dot_general=probe),
+                       jax.ShapeDtypeStruct(tuple(lhs_shape), jnp.float32),
+                       jax.ShapeDtypeStruct(tuple(rhs_shape), jnp.bfloat16))
     return bool(order and order[0])
 
 
-_BYPASS: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxamp_fp8_bypass", default=False)
+def einsum_operands(eqn: str, lhs: jax.Array, rhs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(inputs, kernel)` as `jnp.einsum(eqn, lhs, rhs)` hands them to its `dot_general`, which an FP8 einsum
+    quantizes: an index only one operand has and the output lacks is summed out first (`"bij,jk->bk"` sums `i`),
+    as `jnp.einsum` does it (`lax.reduce` in the operand's dtype), so their amax is the quantized tensors' amax.
+    (An equation with a repeated index in one operand, a diagonal, gives the operands as they are.)"""
+    spec = eqn.replace(" ", "")
+    if "->" not in spec:
+        return lhs, rhs  # implicit output: every index that appears once is kept
+    ins, out = spec.split("->")
+    names = ins.split(",")
+    if len(names) != 2:
+        return lhs, rhs
+    return _summed_out(lhs, names[0], names[1] + out), _summed_out(rhs, names[1], names[0] + out)
+
+
+def _summed_out(x: jax.Array, names: str, kept: str) -> jax.Array:
+    if "..." in names:
+        head, tail = names.split("...")
+        labels = [*head, *[None] * (x.ndim - len(head) - len(tail)), *tail]
+    else:
+        labels = list(names)
+    letters = [n for n in labels if n is not None]
+    if len(set(letters)) != len(letters):
+        return x
+    axes = tuple(i for i, n in enumerate(labels) if n is not None and n not in kept)
+    return jax.lax.reduce(x, np.array(0, x.dtype), jax.lax.add, axes) if axes else x
+
+
+class _Bypass:
+    """The state of one `fp8_bypassed()` block: how many FP8 ops it bypassed."""
+
+    def __init__(self):
+        self.calls = 0
+
+
+_BYPASS: contextvars.ContextVar[_Bypass | None] = contextvars.ContextVar("jaxamp_fp8_bypass", default=None)
 
 
 def bypassed() -> bool:
-    """True inside `fp8_bypassed()` (NNX FP8 ops check it)."""
-    return _BYPASS.get()
+    """True inside `fp8_bypassed()`; counts the caller (an NNX FP8 op about to compute its plain matmul)."""
+    block = _BYPASS.get()
+    if block is not None:
+        block.calls += 1
+    return block is not None
 
 
 @contextlib.contextmanager
@@ -144,20 +214,24 @@ def fp8_bypassed():
     """Within it, every FP8 op computes its plain matmul in its kernel's dtype, without quantizing or touching its
     FP8 variables: Flax's linen ops (`Fp8DirectDotGeneralOp`, `Fp8Einsum`, as in `jaxamp.layers.Dense(fp8=True)`)
     through `nn.intercept_methods`, `jaxamp.nnx`'s FP8 modules by checking `bypassed()`. The model without its FP8
-    ops, for the float32 reference of `jaxamp.fidelity.grad_fidelity`. Trace-time: wrap the tracing of the loss."""
-    token = _BYPASS.set(True)
+    ops, for the float32 reference of `jaxamp.fidelity.grad_fidelity`. Trace-time: wrap the tracing of the loss (an
+    op inside a function that `jax.jit` compiled before is not traced again, so it is not bypassed). Yields an
+    object whose `calls` counts the ops bypassed."""
+    block = _Bypass()
+    token = _BYPASS.set(block)
     try:
-        with nn.intercept_methods(_plain_linen_op):
-            yield
+        with nn.intercept_methods(functools.partial(_plain_linen_op, block)):
+            yield block
     finally:
         _BYPASS.reset(token)
 
 
-def _plain_linen_op(next_fun, args, kwargs, context):
+def _plain_linen_op(block: _Bypass, next_fun, args, kwargs, context):
     """A linen method interceptor: an FP8 op's `__call__` becomes `lax.dot_general` / `jnp.einsum` in the dtype of
     its kernel (the op's second operand), as the op's own output."""
     if context.method_name != "__call__" or not isinstance(context.module, fp8_ops.Fp8DotGeneralBase):
         return next_fun(*args, **kwargs)
+    block.calls += 1
     if isinstance(context.module, fp8_ops.Fp8Einsum):
         eqn, lhs, rhs = (*args, *[kwargs[k] for k in ("eqn", "lhs", "rhs")[len(args):]])[:3]
         return jnp.einsum(eqn, lhs.astype(rhs.dtype), rhs)
@@ -197,8 +271,9 @@ def _delayed_scale(history: np.ndarray, scale: np.ndarray, fmt: FloatFormat) -> 
     return amax / fmt.max if amax > 0 and np.isfinite(amax) else float(scale.reshape(-1)[0])
 
 
-def _row(layer: str, tensor: str, values: np.ndarray, history: np.ndarray, scale: np.ndarray) -> dict:
-    fmt = FP8_FORMATS[_TENSORS[tensor][0]]
+def _row(layer: str, tensor: str, values: np.ndarray, history: np.ndarray, scale: np.ndarray,
+         formats: tuple[str, str] = ("e4m3", "e5m2")) -> dict:
+    fmt = FP8_FORMATS[formats[_TENSORS[tensor][0]]]
     s = _delayed_scale(history, scale, fmt)
     a = np.abs(values.astype(np.float32).reshape(-1)) / s  # the magnitudes the FP8 cast sees
     nonzero = a > 0
@@ -231,17 +306,26 @@ def fp8_ranges(state: TrainState, batch: PyTree, loss_fn) -> list[dict]:
 
 
 def ranges_table(captured: dict, grads: dict) -> list[dict]:
-    """`fp8_ranges`'s rows from `capture`'s output."""
+    """`fp8_ranges`'s rows from `capture`'s output.
+
+    Raises:
+      ValueError: no FP8 op was recorded, or the values are tracers (called inside `jax.jit` / `nnx.jit`).
+    """
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((captured, grads))):
+        raise ValueError("fp8_ranges returns host floats: call it outside jax.jit / nnx.jit")
     if not captured:
         raise ValueError("the loss calls no FP8 op (Flax Fp8DirectDotGeneralOp / Fp8Einsum, jaxamp.nnx.Fp8DotGeneral "
-                         "/ Fp8Einsum)")
+                         "/ Fp8Einsum) where fp8_ranges can see it: an op inside a function that jax.jit or nnx.jit "
+                         "compiled before is not traced again; give fp8_ranges a loss_fn that calls the layers "
+                         "directly")
     captured, grads = jax.device_get((captured, grads))
     rows = []
     for layer, c in captured.items():
         values = {"input": c["input"], "kernel": c["kernel"], "output_grad": grads[layer]}
+        formats = tuple(_FORMAT_KEYS[int(code)] for code in c["formats"])
         for tensor, (_, scale_name, history_name) in _TENSORS.items():
             rows.append(_row(layer, tensor, np.asarray(values[tensor]), np.asarray(c[history_name]),
-                             np.asarray(c[scale_name])))
+                             np.asarray(c[scale_name]), formats))
     return rows
 
 

@@ -137,6 +137,7 @@ class Optimizer(nnx.Pytree):
             _update_model(model, state.params)  # master weights in the policy's param dtype (only if cast)
         self.tx, self.policy, self.wrt, self.trainable = tx, state.policy, wrt, state.trainable
         self.params_structure = jax.tree.structure(state.params)
+        self.params_shapes = tuple(tuple(jnp.shape(x)) for x in jax.tree.leaves(state.params))  # static: ints
         self.step = OptState(state.step)
         self.opt_state = nnx.data(to_opt_state(state.opt_state))
         self.loss_scale = nnx.data(jax.tree.map(OptArray, state.loss_scale))
@@ -174,9 +175,10 @@ class Optimizer(nnx.Pytree):
 
     def _params_of(self, model) -> PyTree:
         params = _model_params(model, self.wrt)
-        if jax.tree.structure(params) != self.params_structure:
+        if jax.tree.structure(params) != self.params_structure or \
+                tuple(tuple(jnp.shape(x)) for x in jax.tree.leaves(params)) != self.params_shapes:
             raise ValueError("the model's wrt variables do not match this Optimizer's (another model, or a model "
-                             "whose structure changed); build the Optimizer from this model")
+                             "whose structure or shapes changed); build the Optimizer from this model")
         return params
 
     def _load(self, state: TrainState) -> None:

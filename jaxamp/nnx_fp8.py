@@ -13,7 +13,7 @@ collection. The algorithm (per tensor: inputs and kernels in e4m3, output gradie
     scale = max(amax_history) / format_max           (delayed: from earlier steps; unchanged while the history is 0)
     q = saturate(x / scale) in FP8                   (clip to +-448 or +-57344, then round)
     y = dot(q_lhs, q_rhs) * lhs_scale * rhs_scale    (XLA:GPU fuses this into a cuBLASLt FP8 GEMM on Hopper)
-    amax_history = roll(amax_history, 1); amax_history[0] = max|x|      (the newest amax at index 0)
+    amax_history = roll(amax_history, -1); amax_history[0] = max|x|     (newest at index 0, the one before at -1)
 
 Two switches serve `jaxamp.nnx.fp8_ranges` and `jaxamp.nnx.grad_fidelity`: while `jaxamp.fp8_report` records, each
 op reports its operands, variables and output; while FP8 is bypassed (the float32 reference of the fidelity check),
@@ -86,16 +86,17 @@ class _Fp8Op(nnx.Module):
 
         return dot
 
-    def _run(self, lhs: jax.Array, rhs: jax.Array, compute, swapped: bool = False) -> jax.Array:
+    def _run(self, lhs: jax.Array, rhs: jax.Array, compute, swapped: bool = False,
+             eqn: str | None = None) -> jax.Array:
         """`compute(lhs, kernel, dot_general)` in `rhs`'s dtype: through FP8 (float32 under float16 compute, which
         cannot hold the sum of FP8 products before dequantization, up to 448^2 per term), or plain while bypassed."""
         lhs = jnp.asarray(lhs, rhs.dtype)
         if fp8_report.bypassed():
-            return fp8_report.record_nnx_op(self, lhs, rhs, compute(lhs, rhs, jax.lax.dot_general))
+            return fp8_report.record_nnx_op(self, lhs, rhs, compute(lhs, rhs, jax.lax.dot_general), eqn)
         dtype = jnp.float32 if rhs.dtype == jnp.float16 else rhs.dtype  # the dtype the FP8 op runs in
         x, k = lhs.astype(dtype), rhs.astype(dtype)
         out = compute(x, k, self._dot_general(dtype, swapped)).astype(rhs.dtype)
-        return fp8_report.record_nnx_op(self, lhs, rhs, out)
+        return fp8_report.record_nnx_op(self, lhs, rhs, out, eqn)
 
 
 class Fp8DotGeneral(_Fp8Op):
@@ -110,7 +111,7 @@ class Fp8DotGeneral(_Fp8Op):
     Attributes:
       input_scale, kernel_scale, output_grad_scale: `Fp8Meta` of f32[1], initially 1.
       input_amax_history, kernel_amax_history, output_grad_amax_history: `Fp8Meta` of f32[amax_history_length],
-        initially 0; the newest amax at index 0.
+        initially 0; the newest amax at index 0, the step before's at index -1, then -2, ... (Flax rolls by -1).
     """
 
     def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,
@@ -160,4 +161,4 @@ class Fp8Einsum(_Fp8Op):
         del precision, preferred_element_type, kwargs
         lhs = jnp.asarray(lhs)
         return self._run(lhs, rhs, lambda x, k, dot: jnp.einsum(eqn, x, k, _dot_general=dot),
-                         swapped=fp8_report.einsum_swaps(eqn, lhs.shape, rhs.shape))
+                         swapped=fp8_report.einsum_swaps(eqn, lhs.shape, rhs.shape), eqn=eqn)

@@ -1,7 +1,5 @@
 """Tests for jaxamp.data: corpus loading, tokenizer, nanoGPT split, (seed, step)-pure batches."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 

@@ -393,3 +393,30 @@ def test_a_linen_fp8_op_called_twice_keeps_the_larger_amax_not_the_sum():
     assert (history == history[0]).all() and history[0] >= float(
         jnp.max(jnp.abs(batch["x"].astype(jnp.bfloat16))).astype(jnp.float32))
     assert bool(metrics["grads_finite"]) and float(metrics["loss"]) > 0.01
+
+
+def test_fp8_ranges_reads_the_formats_of_flax_nanoo_op():
+    """Flax's NANOOFp8DotGeneralOp (AMD GPUs) quantizes to e4m3fnuz (max 240) and e5m2fnuz: the rows say so and
+    scale by 240, not by e4m3fn's 448."""
+    import warnings
+
+    from jaxamp.fp8_report import fp8_ranges
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Flax deprecates the op's base class
+        net = nn.Dense(4, dot_general_cls=nn.NANOOFp8DotGeneralOp)
+        state = TrainState.create(params=net.init(jax.random.key(0), jnp.zeros((1, 8))), tx=optax.sgd(0.1),
+                                  policy="fp8", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+
+        def loss(params, x, rng):
+            del rng
+            return jnp.mean(net.apply(params, x.astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
+
+        x = jax.random.normal(jax.random.key(2), (16, 8))
+        state, _ = STEP(state, x, loss)
+        rows = {r["tensor"]: r for r in fp8_ranges(state, x, loss)}
+    assert [rows[t]["format"] for t in ("input", "kernel", "output_grad")] == [
+        "float8_e4m3fnuz", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+    x_amax = float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))).astype(jnp.float32))
+    assert rows["input"]["scale"] == pytest.approx(x_amax / 240, rel=1e-6)
+    assert rows["input"]["capacity"] == pytest.approx(x_amax, rel=1e-6) and rows["input"]["saturated"] == 0.0

@@ -354,6 +354,10 @@ def test_bad_inputs_get_one_line_errors_that_name_the_fix():
             train_step(model, nnx.Optimizer(model, adam(), wrt=nnx.Param), make_batch(0), loss_fn)
     with pytest.raises(ValueError, match="do not match this Optimizer"):
         train_step(NnxMLP(nnx.Rngs(0)), opt, make_batch(0), nnx_loss)
+    wide = nnx.Linear(4, 8, rngs=nnx.Rngs(0))  # the same tree as a Linear(4, 4), other shapes
+    with pytest.raises(ValueError, match="do not match this Optimizer"):
+        train_step(wide, Optimizer(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), adam(), **kw), jnp.ones((2, 4)),
+                   lambda m, x: jnp.mean(m(x.astype(m.kernel.dtype)).astype(jnp.float32)))
 
     def growing_loss(model, batch):
         model.l2.seen = nnx.BatchStat(batch["x"])

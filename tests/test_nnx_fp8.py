@@ -472,3 +472,63 @@ def test_nnx_grad_fidelity_with_accumulation_sees_the_masks_train_step_would_dra
             jnnx.grad_fidelity(model, opt, x, dropout_loss, accum_steps=bad)
     with pytest.raises(ValueError, match="loss_fn must be a function"):
         jnnx.grad_fidelity(model, opt, x, 3)
+
+
+class SummedEinsum(nnx.Module):
+    """`"bij,jk->bk"`: jnp.einsum sums `i` out of the inputs before the FP8 dot_general quantizes them."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.e = nnx.Einsum("bij,jk->bk", (8, 5), einsum_op=Fp8Einsum(HISTORY), rngs=rngs)
+
+    def __call__(self, x):
+        return self.e(x)
+
+
+def test_fp8_ranges_reads_what_the_fp8_dot_quantizes_and_refuses_what_it_cannot_see():
+    from jaxamp.nnx import fp8_ranges, grad_fidelity
+
+    model = SummedEinsum(nnx.Rngs(0))
+    opt = Optimizer(model, optax.sgd(0.0), policy="fp8", loss_scale=NoOpLossScale())
+
+    def summed_loss(model, x):
+        return jnp.sum(model(x.astype(model.e.kernel.dtype)).astype(jnp.float32))
+
+    x = jnp.full((2, 4, 8), 0.5)
+    model.e.einsum_op.input_amax_history[...] = jnp.array([1.0, 0.0, 0.0, 0.0])  # capacity 1
+    rows = {r["tensor"]: r for r in fp8_ranges(model, opt, x, summed_loss)}
+    # The op quantizes the sum over i (4 x 0.5 = 2.0): all of it saturates at capacity 1 (it read 0.5 and 0% before).
+    assert (rows["input"]["amax"], rows["input"]["capacity"], rows["input"]["saturated"]) == (2.0, 1.0, 1.0)
+    train_step(model, opt, x, summed_loss)
+    assert float(model.e.einsum_op.input_amax_history[0]) == 2.0  # what the op itself recorded
+
+    layer = Fp8MLP(nnx.Rngs(0))
+    layer_opt = Optimizer(layer, TX, policy="fp8", loss_scale=NoOpLossScale())
+
+    def remat_loss(model, batch):
+        y = nnx.remat(lambda m, x: m(x))(model, batch["x"].astype(jnp.bfloat16))
+        return jnp.mean(jnp.square(y.astype(jnp.float32) - batch["y"]))
+
+    with pytest.raises(ValueError, match="inside a transform of loss_fn"):
+        fp8_ranges(layer, layer_opt, make_batch(0), remat_loss)
+
+    @nnx.jit
+    def forward(model, x):
+        return model(x)
+
+    def jitted_loss(model, batch):
+        return jnp.mean(jnp.square(forward(model, batch["x"].astype(model.l1.kernel.dtype)).astype(jnp.float32)
+                                   - batch["y"]))
+
+    train_step(layer, layer_opt, make_batch(0), jitted_loss)  # compiles forward with FP8 ops inside
+    with pytest.raises(ValueError, match="inside a transform of loss_fn|where fp8_ranges can see it"):
+        fp8_ranges(layer, layer_opt, make_batch(1), jitted_loss)  # an inner trace, or a cached one: no op reports
+    # grad_fidelity's reference traces forward again (full-precision matmuls are part of jit's cache key), so its
+    # FP8 ops are bypassed there: the same errors as with the layers called directly (before: exactly 0).
+    direct = grad_fidelity(layer, layer_opt, make_batch(1), loss_fn)
+    through_jit = grad_fidelity(layer, layer_opt, make_batch(1), jitted_loss)
+    assert {k: float(v) for k, v in through_jit.items()} == pytest.approx(
+        {k: float(v) for k, v in direct.items()}, rel=0.05)  # the jit boundary moves roundings a little
+    assert min(float(v) for v in direct.values()) > 1e-3
+
+    with pytest.raises(ValueError, match="outside jax.jit"):
+        nnx.jit(lambda m: fp8_ranges(m, layer_opt, make_batch(1), loss_fn))(layer)
