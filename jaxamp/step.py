@@ -115,6 +115,26 @@ def _max_combined(fp8: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.lax.convert_element_type(x, fp8_ops.fp32_max_grad), fp8)
 
 
+_FP8_TENSORS = ("input", "kernel", "output_grad")
+
+
+def _keep_uncalled(new: PyTree, old: PyTree) -> PyTree:
+    """The FP8 collection's new values, except where the loss did not call the op (an unused layer, a `lax.cond`
+    branch not taken, an output under `stop_gradient`): its "gradient" there is 0, which as a new scale would make
+    the next call divide by 0. Per op and tensor (input, kernel, output gradient), a new scale of 0 (never a real
+    one: scales are amax / format max > 0, or the old scale) keeps the old scale and history."""
+    if not hasattr(new, "keys"):
+        return new
+    if not all(f"{t}_scale" in new for t in _FP8_TENSORS):
+        return type(new)({k: _keep_uncalled(new[k], old[k]) for k in new.keys()})
+    out = dict(new)
+    for t in _FP8_TENSORS:
+        called = new[f"{t}_scale"] != 0  # bool[..., 1]: per layer of a stacked (scanned) op
+        for name in (f"{t}_scale", f"{t}_amax_history"):
+            out[name] = jnp.where(called, new[name], old[name])
+    return type(new)(out)
+
+
 def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
     """Scaled loss -> gradients w.r.t. the trainable compute-dtype params (still scaled, in the compute dtype), the
     FP8 collection's new values (loss-scale free) and, for a stateful `loss_fn`, its new state.
@@ -373,7 +393,7 @@ def train_step_with_carry(state: TrainState, batch: PyTree, loss_fn: Callable, c
     train_params, opt_state = select_tree(grads_finite, new, old)
     # The FP8 scales and histories: the new values on an applied step; on a skipped step the old ones (the step did
     # not happen; an overflowed step's inf amax would otherwise sit in the history for its whole length).
-    fp8 = select_tree(grads_finite, g.fp8, fp8)
+    fp8 = select_tree(grads_finite, _keep_uncalled(g.fp8, fp8), fp8)
     params = merge_fp8(merge_frozen(train_params, frozen), fp8)  # frozen leaves: the very arrays they were
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               loss_scale=loss_scale.adjust(grads_finite))

@@ -420,3 +420,40 @@ def test_fp8_ranges_reads_the_formats_of_flax_nanoo_op():
     x_amax = float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))).astype(jnp.float32))
     assert rows["input"]["scale"] == pytest.approx(x_amax / 240, rel=1e-6)
     assert rows["input"]["capacity"] == pytest.approx(x_amax, rel=1e-6) and rows["input"]["saturated"] == 0.0
+
+
+class TwoHeads(nn.Module):
+    """Two FP8 Dense heads; the loss calls `a`, and `b` only when `use_b` (a layer the loss may leave out)."""
+
+    use_b: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        y = Dense(1, use_bias=False, fp8=True, fp8_amax_history=HISTORY, name="a")(x)
+        b = Dense(1, use_bias=False, fp8=True, fp8_amax_history=HISTORY, name="b")
+        return y + b(x) if self.use_b else y
+
+
+def test_an_fp8_op_the_loss_does_not_call_keeps_its_scales_and_history():
+    """Its "gradient" is 0: taken as its new value, the scales became 0 and its next call divided by 0 (NaN)."""
+    variables = TwoHeads().init(jax.random.key(0), jnp.zeros((1, 8)))
+    state = TrainState.create(params=variables, tx=optax.sgd(0.1), policy="fp8", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(1))
+
+    def make_loss(use_b):
+        def loss(params, batch, rng):
+            del rng
+            y = TwoHeads(use_b).apply(params, batch["x"].astype(jnp.bfloat16))
+            return jnp.mean(jnp.square(y.astype(jnp.float32) - batch["y"]))
+        return loss
+
+    only_a, both = make_loss(False), make_loss(True)
+    before = bits(state.params[FP8_COLLECTION]["b"])
+    for i in range(3):
+        state, _ = STEP(state, make_batch(i), only_a)
+    assert bits(state.params[FP8_COLLECTION]["b"]) == before  # scales 1, histories 0: as initialised
+    assert float(state.params[FP8_COLLECTION]["a"]["fp8"]["input_scale"][0]) != 1.0  # a's did move
+    for i in range(3, 6):
+        state, metrics = STEP(state, make_batch(i), both)
+        assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"])), i
+    assert float(state.params[FP8_COLLECTION]["b"]["fp8"]["kernel_scale"][0]) > 0
