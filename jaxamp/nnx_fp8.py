@@ -104,7 +104,8 @@ class Fp8DotGeneral(_Fp8Op):
 
     Inputs and kernels are quantized to e4m3 and output gradients to e5m2, each with a scale from its amax history
     (the module docstring gives the algorithm). As `jaxamp.layers.Dense(fp8=True)` does, float16 compute quantizes
-    and accumulates in float32 and casts the result back. Give each layer its own:
+    and accumulates in float32 and casts the result back. Give each layer its own (a layer called several times in
+    one loss is fine: `train_step` keeps the largest amax of its calls):
 
         nnx.Linear(784, 256, dot_general=Fp8DotGeneral(), rngs=rngs)
 
