@@ -75,6 +75,9 @@ class _Fp8Recorder:
         self.names: dict[int, str] = {}  # id(NNX module) -> its path in the model, set by jaxamp.nnx
 
     def record(self, key: str, lhs, rhs, variables: dict, out, formats=(jnp.float8_e4m3fn, jnp.float8_e5m2)):
+        calls = sum(k == key or k.startswith(f"{key} (call ") for k in self.captured)
+        if calls:  # an op called again in the same loss (a shared layer): a row set per call
+            key = f"{key} (call {calls + 1})"
         codes = jnp.array([_FORMAT_KEYS.index(_format_key(f)) for f in formats], jnp.int32)  # i32[2]
         self.captured[key] = {"input": lhs, "kernel": rhs, "output": out, "formats": codes, **variables}
         if self.perturb is not None and key in self.perturb:
@@ -124,10 +127,8 @@ def record_nnx_op(module, lhs, rhs, out, eqn: str | None = None):
     recorder = _ACTIVE.get()
     if recorder is None:
         return out
-    if id(module) not in recorder.names:
-        raise ValueError(f"fp8_ranges cannot read a {type(module).__name__} that runs inside a transform of loss_fn "
-                         "(nnx.scan, nnx.remat, jax.checkpoint, nnx.jit: its values live in an inner trace); give "
-                         "fp8_ranges a loss_fn that calls the model's layers directly")
+    if id(module) not in recorder.names:  # a module merged again by an NNX transform (nnx.scan, nnx.remat, ...)
+        raise ValueError(_INNER)
     variables = {name: getattr(module, name)[...] for name in _VARIABLES}
     if eqn is not None:
         lhs, rhs = einsum_operands(eqn, lhs, rhs)
@@ -302,7 +303,20 @@ def fp8_ranges(state: TrainState, batch: PyTree, loss_fn) -> list[dict]:
     if split_fp8(state.params)[1] is None:
         raise ValueError("state.params holds no FP8 collection ('_overwrite_with_gradient'): build the model with "
                          "FP8 ops (jaxamp.layers.Dense(fp8=True), TransformerConfig(fp8=True)) and pass its variables")
-    return ranges_table(*jax.jit(capture, static_argnums=2)(state, batch, loss_fn))
+    return ranges_table(*run_capture(jax.jit(capture, static_argnums=2), state, batch, loss_fn))
+
+
+_INNER = ("fp8_ranges cannot read an FP8 op that runs inside a transform of loss_fn (nn.scan, nn.remat, jax.checkpoint, "
+          "lax.cond, jax.jit: its values live in an inner trace); give fp8_ranges a loss_fn that calls the layers "
+          "directly")
+
+
+def run_capture(jitted, *args):
+    """`jitted(*args)` (a jitted `capture`), with an op's values leaked from an inner trace told in one line."""
+    try:
+        return jitted(*args)
+    except jax.errors.UnexpectedTracerError:
+        raise ValueError(_INNER) from None
 
 
 def ranges_table(captured: dict, grads: dict) -> list[dict]:

@@ -489,4 +489,5 @@ def fp8_ranges(model: nnx.Module, opt: Optimizer, batch: PyTree,
     if not fp8:
         raise ValueError("the model has no FP8 variables: build its layers with jaxamp.nnx.Fp8DotGeneral "
                          "(nnx.Linear(..., dot_general=Fp8DotGeneral())) or Fp8Einsum")
-    return fp8_report.ranges_table(*_capture(graphdef, trained, loss_fn, state, fp8, rest, batch))
+    return fp8_report.ranges_table(*fp8_report.run_capture(_capture, graphdef, trained, loss_fn, state, fp8, rest,
+                                                           batch))

@@ -129,7 +129,7 @@ def _keep_uncalled(new: PyTree, old: PyTree) -> PyTree:
         return type(new)({k: _keep_uncalled(new[k], old[k]) for k in new.keys()})
     out = dict(new)
     for t in _FP8_TENSORS:
-        called = new[f"{t}_scale"] != 0  # bool[..., 1]: per layer of a stacked (scanned) op
+        called = new[f"{t}_scale"] > 0  # bool[..., 1]: per layer of a stacked (scanned) op
         for name in (f"{t}_scale", f"{t}_amax_history"):
             out[name] = jnp.where(called, new[name], old[name])
     return type(new)(out)
@@ -146,7 +146,7 @@ def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
     """
     train_c, frozen_c, fp8 = params_c
 
-    def scaled_loss(train, fp8_scaled):
+    def scaled_loss(train, fp8_scaled, frozen_c, batch, rng, carry, loss_scale):
         params = merge_fp8(merge_frozen(train, frozen_c), _max_combined(fp8_scaled))
         if carry is None:
             out, new_carry = loss_fn(params, batch, rng), None
@@ -155,8 +155,21 @@ def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
         loss, aux = _split_loss(out)
         return loss_scale.scale(loss), (loss, aux, new_carry)
 
-    (grads_c, fp8_new), (loss, aux, new_carry) = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)(
-        train_c, _fp8_in_scaled_units(fp8, loss_scale))
+    grad_fn = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)
+    if fp8 is not None:
+        grad_fn = jax.jit(grad_fn)  # fm32 cotangents add only in compiled code (eager has no rule); inlined under jit
+    try:
+        (grads_c, fp8_new), (loss, aux, new_carry) = grad_fn(
+            train_c, _fp8_in_scaled_units(fp8, loss_scale), frozen_c, batch, rng, carry, loss_scale)
+    except TypeError as err:
+        if "fp8_meta" not in str(err):
+            raise
+        raise ValueError("an FP8 op's scales are shared across a jax.vmap axis inside loss_fn (a per-example vmap of "
+                         "an FP8 layer): its amax cannot be combined over the mapped axis; call the layer on the whole "
+                         "batch, or give each mapped slice its own FP8 state (nn.vmap / nnx.vmap of the variables)"
+                         ) from None
+    # An op in a lax.cond branch not taken gets fm32's zero, -inf: 0, as for an op the loss does not call at all.
+    fp8_new = jax.tree.map(lambda x: jnp.where(x == -jnp.inf, jnp.zeros_like(x), x), fp8_new)
     return grads_c, loss, aux, _fp8_in_scaled_units(fp8_new, loss_scale, inverse=True), new_carry
 
 

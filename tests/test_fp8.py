@@ -393,6 +393,8 @@ def test_a_linen_fp8_op_called_twice_keeps_the_larger_amax_not_the_sum():
     assert (history == history[0]).all() and history[0] >= float(
         jnp.max(jnp.abs(batch["x"].astype(jnp.bfloat16))).astype(jnp.float32))
     assert bool(metrics["grads_finite"]) and float(metrics["loss"]) > 0.01
+    eager, _ = train_step(state, batch, loss)  # without jit too (fm32's max-add exists in compiled code only)
+    assert float(eager.params[FP8_COLLECTION]["d"]["fp8"]["kernel_amax_history"].max()) == kernel_amax
 
 
 def test_fp8_ranges_reads_the_formats_of_flax_nanoo_op():
@@ -457,3 +459,99 @@ def test_an_fp8_op_the_loss_does_not_call_keeps_its_scales_and_history():
         state, metrics = STEP(state, make_batch(i), both)
         assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"])), i
     assert float(state.params[FP8_COLLECTION]["b"]["fp8"]["kernel_scale"][0]) > 0
+
+
+class Branches(nn.Module):
+    """Two FP8 Dense layers; `use_a` / `use_b` call one each (for a `lax.cond` in the loss)."""
+
+    def setup(self):
+        self.a = Dense(4, use_bias=False, fp8=True, fp8_amax_history=HISTORY)
+        self.b = Dense(4, use_bias=False, fp8=True, fp8_amax_history=HISTORY)
+
+    def __call__(self, x):
+        return self.a(x) + self.b(x)
+
+    def use_a(self, x):
+        return self.a(x)
+
+    def use_b(self, x):
+        return self.b(x)
+
+
+def test_an_fp8_op_in_a_cond_branch_not_taken_keeps_its_state_and_the_step_applies():
+    """The branch not taken gives its FP8 state fm32's zero, -inf: every step was skipped (and under accumulation
+    the scale became 0, then NaN); also without jit, and a per-example vmap of an FP8 layer is one clear error."""
+    net = Branches()
+    state = TrainState.create(params=net.init(jax.random.key(0), jnp.ones((2, 4))), tx=optax.sgd(1e-3),
+                              policy="fp8", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+
+    def loss(params, batch, rng):
+        del rng
+        x = batch["x"].astype(jnp.bfloat16)
+        y = jax.lax.cond(batch["flag"][0] > 0, lambda: net.apply(params, x, method="use_a"),
+                         lambda: net.apply(params, x, method="use_b"))
+        return jnp.mean(jnp.square(y.astype(jnp.float32) - 1))
+
+    x = jax.random.normal(jax.random.key(3), (4, 4))
+    b_before = bits(state.params[FP8_COLLECTION]["b"])
+    for accum in (1, 2):
+        state, metrics = STEP(state, {"x": x, "flag": jnp.ones((4,), jnp.int32)}, loss, accum_steps=accum)
+        assert bool(metrics["grads_finite"]), accum
+        assert bits(state.params[FP8_COLLECTION]["b"]) == b_before, accum  # b not called: unchanged
+    state, metrics = train_step(state, {"x": x, "flag": jnp.zeros((4,), jnp.int32)}, loss)  # eager: b's turn
+    assert bool(metrics["grads_finite"]) and np.isfinite(float(metrics["loss"]))
+    b = state.params[FP8_COLLECTION]["b"]["fp8"]
+    assert float(b["input_amax_history"][0]) == float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))).astype(jnp.float32))
+
+    one = Dense(4, use_bias=False, fp8=True, fp8_amax_history=HISTORY)
+    per_example = TrainState.create(params=one.init(jax.random.key(0), jnp.ones((1, 4))), tx=optax.sgd(1e-3),
+                                    policy="fp8", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+
+    def vmapped_loss(params, batch, rng):
+        del rng
+        y = jax.vmap(lambda xi: one.apply(params, xi[None].astype(jnp.bfloat16))[0])(batch["x"])
+        return jnp.mean(jnp.square(y.astype(jnp.float32) - 1))
+
+    with pytest.raises(ValueError, match="shared across a jax.vmap axis"):
+        STEP(per_example, {"x": x}, vmapped_loss)
+
+
+def test_fp8_ranges_gives_each_call_of_a_shared_op_its_rows_and_refuses_inner_traces():
+    """Before: the last call's input overwrote the first's (its saturation invisible), the output gradient was the
+    sum over calls, and calls of other shapes failed; an op inside nn.remat leaked a tracer."""
+    from jaxamp.fp8_report import fp8_ranges
+
+    net = SharedNet()
+    state = TrainState.create(params=net.init(jax.random.key(0), jnp.zeros((1, 8))), tx=optax.sgd(0.0),
+                              policy="fp8", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+
+    def loss(params, batch, rng):
+        del rng
+        return jnp.mean(jnp.square(net.apply(params, batch["x"].astype(jnp.bfloat16)).astype(jnp.float32)))
+
+    batch = {"x": 5 * jax.random.normal(jax.random.key(2), (4, 8))}
+    state, _ = STEP(state, batch, loss)
+    rows = {(r["layer"], r["tensor"]): r for r in fp8_ranges(state, batch, loss)}
+    assert {layer for layer, _ in rows} == {"d/fp8", "d/fp8 (call 2)"}
+    state, _ = STEP(state, batch, loss)  # the same pass as the report's, from the same state
+    history = state.params[FP8_COLLECTION]["d"]["fp8"]
+    inputs = max(rows[(layer, "input")]["amax"] for layer in ("d/fp8", "d/fp8 (call 2)"))
+    assert inputs == float(history["input_amax_history"][0])  # what the step recorded: the larger call's
+    assert rows[("d/fp8", "input")]["amax"] == float(
+        jnp.max(jnp.abs(batch["x"].astype(jnp.bfloat16))).astype(jnp.float32))
+
+    class Remat(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.remat(Dense)(4, use_bias=False, fp8=True, fp8_amax_history=HISTORY, name="d")(x)
+
+    remat = Remat()
+    remat_state = TrainState.create(params=remat.init(jax.random.key(0), jnp.zeros((1, 8))), tx=optax.sgd(0.0),
+                                    policy="fp8", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+
+    def remat_loss(params, batch, rng):
+        del rng
+        return jnp.mean(jnp.square(remat.apply(params, batch["x"].astype(jnp.bfloat16)).astype(jnp.float32)))
+
+    with pytest.raises(ValueError, match="inside a transform of loss_fn"):
+        fp8_ranges(remat_state, batch, remat_loss)
