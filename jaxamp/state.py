@@ -265,8 +265,9 @@ def trainable_mask(trainable, params: PyTree) -> tuple[bool, ...] | None:
             values = jax.tree.structure(plain).flatten_up_to(
                 jax.tree.map(lambda t, sub: jax.tree.map(lambda _: t, sub), flax.core.unfreeze(trainable), plain))
         except (ValueError, TypeError) as err:
+            where = _prefix_mismatch(flax.core.unfreeze(trainable), plain) or str(err).splitlines()[0]
             raise ValueError(f"trainable must be a tree of bools shaped like params or a prefix of it, or a "
-                             f"callable (path, leaf) -> bool; it does not fit params: {err}") from None
+                             f"callable (path, leaf) -> bool; it does not fit params: {where}") from None
     bad = [(path, v) for (path, _), v in zip(flat, values) if not isinstance(v, (bool, np.bool_))]
     if bad:
         path, v = bad[0]
@@ -276,6 +277,33 @@ def trainable_mask(trainable, params: PyTree) -> tuple[bool, ...] | None:
     if mask and not any(mask):
         raise ValueError("trainable freezes every params leaf: nothing would train; mark at least one leaf True")
     return None if all(mask) else mask
+
+
+def _prefix_mismatch(tree, params, path: str = "") -> str | None:
+    """Where a `trainable` tree first stops fitting `params` (dicts and lists), in one line; None if found nowhere."""
+    if isinstance(tree, dict):
+        if not isinstance(params, dict):
+            return f"at {path or 'the top'} trainable has a dict where params have {type(params).__name__}"
+        for key in tree:
+            if key not in params:
+                hint = (f"; NNX lists (nnx.List, nn.Sequential layers) are keyed by int: write {int(key)}"
+                        if isinstance(key, str) and key.isdigit() and int(key) in params else "")
+                return f"at {path or 'the top'} trainable has key {key!r}, params have {list(params)[:8]}{hint}"
+        missing = [key for key in params if key not in tree]
+        if missing:
+            return (f"at {path or 'the top'} trainable lacks the keys {missing[:8]} of params (a dict prefix names "
+                    "every key at its level; True or False covers a whole subtree)")
+        for key in tree:
+            found = _prefix_mismatch(tree[key], params[key], f"{path}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(tree, (list, tuple)):
+        keys = list(params) if isinstance(params, dict) else None
+        if keys is not None and keys == list(range(len(keys))):
+            return (f"at {path or 'the top'} trainable has a {type(tree).__name__} where params have a dict keyed "
+                    f"{keys[:8]}; write {{0: ..., 1: ...}}")
+    return None
 
 
 def split_frozen(params: PyTree, mask: tuple[bool, ...] | None) -> tuple[PyTree, PyTree]:

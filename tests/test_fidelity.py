@@ -250,8 +250,10 @@ def test_trainable_errors_name_the_problem():
         make({"frozen": False, "head": False})
     with pytest.raises(ValueError, match="bool per params leaf"):
         make({"frozen": 0, "head": True})
-    with pytest.raises(ValueError, match="does not fit params"):
+    with pytest.raises(ValueError, match=r"does not fit params: at the top trainable has key 'other', params have"):
         make({"other": True})
+    with pytest.raises(ValueError, match=r"at the top trainable lacks the keys \['head'\]"):
+        make({"frozen": False})
     assert make(True).trainable is None  # all trainable: the canonical None
 
 

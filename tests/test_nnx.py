@@ -354,6 +354,16 @@ def test_bad_inputs_get_one_line_errors_that_name_the_fix():
             train_step(model, nnx.Optimizer(model, adam(), wrt=nnx.Param), make_batch(0), loss_fn)
     with pytest.raises(ValueError, match="do not match this Optimizer"):
         train_step(NnxMLP(nnx.Rngs(0)), opt, make_batch(0), nnx_loss)
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(2)])
+
+    stack = Stack(nnx.Rngs(0))
+    assert Optimizer(stack, adam(), trainable={"layers": {0: False, 1: True}}, **kw).trainable is not None
+    with pytest.raises(ValueError, match=r"trainable has key '0'.*keyed by int: write 0$"):
+        Optimizer(stack, adam(), trainable={"layers": {"0": False, "1": True}}, **kw)
+    with pytest.raises(ValueError, match=r"trainable has a list where params have a dict keyed \[0, 1\]"):
+        Optimizer(stack, adam(), trainable={"layers": [False, True]}, **kw)
     wide = nnx.Linear(4, 8, rngs=nnx.Rngs(0))  # the same tree as a Linear(4, 4), other shapes
     with pytest.raises(ValueError, match="do not match this Optimizer"):
         train_step(wide, Optimizer(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), adam(), **kw), jnp.ones((2, 4)),
