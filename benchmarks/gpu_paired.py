@@ -21,6 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_throughput as gt  # noqa: E402  (puts the repo on sys.path too)
 
+from jaxamp.cli import command_line  # noqa: E402
+
 
 def _timed_steps(step, state, batch, n: int):
     import jax
@@ -60,7 +62,7 @@ def report(args, size: dict, result: dict) -> str:
     import jax
 
     lines = [f"# {b} against {a}, interleaved in one process", "",
-             f"- command: `{gt._command(None)}`",
+             f"- command: `{command_line()}`",
              f"- device: {jax.devices()[0].device_kind}; jax {jax.__version__}",
              f"- model: {size['layers']} layers, width {size['width']}, seq {size['seq_len']}, vocab {size['vocab']}, "
              f"batch {size['batch_size']} ({tokens:,} tokens/step); {args.rounds} rounds of {args.steps} steps each, "

@@ -22,6 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_throughput as gt  # noqa: E402  (puts the repo on sys.path too)
 
+from jaxamp.cli import command_line  # noqa: E402
+
 KINDS = (  # (kind, substrings of a kernel name, lower case); the first match wins
     ("cuDNN attention", ("fmha", "cudnn", "flash", "sdpa")),
     ("matmul (cuBLAS/cuBLASLt)", ("gemm", "cublas", "cutlass", "sm90_xmma", "xmma", "nvjet", "matmul", "dot")),
@@ -91,7 +93,7 @@ def profile(name: str, size: dict, warmup: int, steps: int, top: int) -> dict:
 
 def report(args, size: dict, results: list[dict]) -> str:
     lines = ["# Where the step's device time goes (`jax.profiler` trace)", "",
-             f"- command: `{gt._command(None)}`",
+             f"- command: `{command_line()}`",
              f"- model: {size['layers']} layers, width {size['width']}, seq {size['seq_len']}, vocab {size['vocab']}, "
              f"batch {size['batch_size']}; {args.steps} traced steps after {args.warmup + 1} untimed ones", ""]
     for r in results:

@@ -53,6 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from jaxamp.cli import command_line  # noqa: E402
 from jaxamp.presets import MODEL_PRESETS, PRESET_FIELDS  # noqa: E402  (imports jax, starts no backend)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -243,15 +244,6 @@ def _mib(x) -> str:
     return "n/a" if x is None else f"{x / 2**20:,.1f}"
 
 
-def _command(argv) -> str:
-    script = Path(sys.argv[0]).resolve()
-    try:
-        script = script.relative_to(Path.cwd().resolve())
-    except ValueError:
-        pass
-    return " ".join(["python", str(script), *(argv if argv is not None else sys.argv[1:])])
-
-
 def report(args, size: dict, results: dict, argv=None) -> str:
     done = [r for r in results.values() if "error" not in r]
     first = done[0] if done else {}
@@ -261,7 +253,7 @@ def report(args, size: dict, results: dict, argv=None) -> str:
     lines = [
         "# jaxamp training throughput" + (" (--tiny, CPU smoke test)" if args.tiny else ""),
         "",
-        f"- command: `{_command(argv)}`",
+        f"- command: `{command_line(argv)}`",
         f"- device: {device_kind} ({first.get('platform', 'n/a')}); jax {first.get('jax_version', 'n/a')}; "
         f"host {platform.platform()}, os.cpu_count()={os.cpu_count()}",
         f"- date: {date}",
@@ -421,7 +413,7 @@ def main(argv=None) -> int:
         failed |= "error" in results[name]
         out.write_text(report(args, size, results, argv), encoding="utf-8")  # partial results survive a cut
         if args.json:
-            Path(args.json).write_text(json.dumps({"command": _command(argv), "size": size, "results": results},
+            Path(args.json).write_text(json.dumps({"command": command_line(argv), "size": size, "results": results},
                                                   indent=1), encoding="utf-8")
     table = report(args, size, results, argv)
     out.write_text(table, encoding="utf-8")

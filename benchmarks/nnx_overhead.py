@@ -45,7 +45,7 @@ from flax import nnx  # noqa: E402
 
 import overhead  # noqa: E402  (benchmarks/overhead.py: variant (a), machine and command lines)
 from jaxamp import DynamicLossScale, get_policy  # noqa: E402
-from jaxamp.cli import check_output, check_sizes  # noqa: E402
+from jaxamp.cli import check_output, check_sizes, command_line  # noqa: E402
 from jaxamp.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
 from jaxamp.nnx import Optimizer, train_step  # noqa: E402
 
@@ -186,7 +186,7 @@ def report(args, res, argv=None) -> str:
     lines = [
         "# Flax NNX step overhead on CPU",
         "",
-        f"- command: `{overhead._command(argv)}`",  # pylint: disable=protected-access
+        f"- command: `{command_line(argv)}`",
         f"- machine: {res['machine']}",
         f"- date: {date}",
         f"- model: {cfg.num_layers} layers, {cfg.num_heads} heads, width {cfg.width}, seq {cfg.seq_len}, vocab "

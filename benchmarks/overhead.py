@@ -46,7 +46,7 @@ import optax  # noqa: E402
 from flax.training.dynamic_scale import DynamicScale  # noqa: E402
 
 from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step  # noqa: E402
-from jaxamp.cli import check_output, check_sizes  # noqa: E402
+from jaxamp.cli import check_output, check_sizes, command_line  # noqa: E402
 from jaxamp.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -206,15 +206,6 @@ def parse_args(argv=None):
     return args
 
 
-def _command(argv) -> str:
-    script = Path(sys.argv[0]).resolve()
-    try:
-        script = script.relative_to(Path.cwd().resolve())
-    except ValueError:
-        pass
-    return " ".join(["python", str(script), *(argv if argv is not None else sys.argv[1:])])
-
-
 def _machine() -> str:
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return (f"{platform.platform()} ({platform.machine()}), os.cpu_count()={os.cpu_count()}, "
@@ -331,7 +322,7 @@ def report(args, res, argv=None) -> str:
     lines = [
         "# jaxamp overhead on CPU",
         "",
-        f"- command: `{_command(argv)}`",
+        f"- command: `{command_line(argv)}`",
         f"- machine: {res['machine']}",
         f"- date: {date}",
         f"- model: {cfg.num_layers} layers, {cfg.num_heads} heads, width {cfg.width}, seq {cfg.seq_len}, "

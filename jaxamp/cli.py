@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -46,3 +47,14 @@ def write_report(path: str | Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     print(text)
+
+
+def command_line(argv=None) -> str:
+    """The command that ran this script, for a report: `python <script relative to the cwd> <args>` (`argv`, else
+    `sys.argv[1:]`)."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(Path.cwd().resolve())
+    except ValueError:
+        pass
+    return " ".join(["python", str(script), *(argv if argv is not None else sys.argv[1:])])
