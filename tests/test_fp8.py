@@ -1,5 +1,7 @@
 """FP8 with delayed scaling: Flax's FP8 ops through jaxamp's train_step (the overwrite-with-gradient collection)."""
 
+from typing import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -370,16 +372,23 @@ class SharedNet(nn.Module):
         return dense(jax.nn.relu(dense(x)))
 
 
-def test_a_linen_fp8_op_called_twice_keeps_the_larger_amax_not_the_sum():
-    """The two calls' new values combine by maximum (Flax's fp32_max_grad dtype), not by sum: the sum doubled the
-    history every step until the loss flushed to 0."""
-    net = SharedNet()
-    state = TrainState.create(params=net.init(jax.random.key(0), jnp.zeros((1, 8))), tx=optax.sgd(0.0),
+def square_setup(net: nn.Module, width: int = 8) -> tuple[TrainState, Callable]:
+    """A fresh fp8 state of `net` (inputs f32[1, width]; SGD at lr 0: the weights stay put) and the loss
+    mean(net(x)^2) with x cast to bfloat16."""
+    state = TrainState.create(params=net.init(jax.random.key(0), jnp.zeros((1, width))), tx=optax.sgd(0.0),
                               policy="fp8", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
 
     def loss(params, batch, rng):
         del rng
         return jnp.mean(jnp.square(net.apply(params, batch["x"].astype(jnp.bfloat16)).astype(jnp.float32)))
+
+    return state, loss
+
+
+def test_a_linen_fp8_op_called_twice_keeps_the_larger_amax_not_the_sum():
+    """The two calls' new values combine by maximum (Flax's fp32_max_grad dtype), not by sum: the sum doubled the
+    history every step until the loss flushed to 0."""
+    state, loss = square_setup(SharedNet())
 
     batch = {"x": jax.random.normal(jax.random.key(2), (4, 8))}
     for _ in range(20):
@@ -521,13 +530,7 @@ def test_fp8_ranges_gives_each_call_of_a_shared_op_its_rows_and_refuses_inner_tr
     sum over calls, and calls of other shapes failed; an op inside nn.remat leaked a tracer."""
     from jaxamp.fp8_report import fp8_ranges
 
-    net = SharedNet()
-    state = TrainState.create(params=net.init(jax.random.key(0), jnp.zeros((1, 8))), tx=optax.sgd(0.0),
-                              policy="fp8", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
-
-    def loss(params, batch, rng):
-        del rng
-        return jnp.mean(jnp.square(net.apply(params, batch["x"].astype(jnp.bfloat16)).astype(jnp.float32)))
+    state, loss = square_setup(SharedNet())
 
     batch = {"x": 5 * jax.random.normal(jax.random.key(2), (4, 8))}
     state, _ = STEP(state, batch, loss)
@@ -545,13 +548,7 @@ def test_fp8_ranges_gives_each_call_of_a_shared_op_its_rows_and_refuses_inner_tr
         def __call__(self, x):
             return nn.remat(Dense)(4, use_bias=False, fp8=True, fp8_amax_history=HISTORY, name="d")(x)
 
-    remat = Remat()
-    remat_state = TrainState.create(params=remat.init(jax.random.key(0), jnp.zeros((1, 8))), tx=optax.sgd(0.0),
-                                    policy="fp8", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
-
-    def remat_loss(params, batch, rng):
-        del rng
-        return jnp.mean(jnp.square(remat.apply(params, batch["x"].astype(jnp.bfloat16)).astype(jnp.float32)))
+    remat_state, remat_loss = square_setup(Remat())
 
     with pytest.raises(ValueError, match="inside a transform of loss_fn"):
         fp8_ranges(remat_state, batch, remat_loss)
