@@ -1,4 +1,4 @@
-"""Train the jaxamp Transformer LM on text (characters or a local BPE) or nanoGPT token files in fp32, bf16 or fp16.
+"""Train the jaxamp Transformer LM on text (characters or a local BPE) or nanoGPT token files: fp32, bf16, fp16, fp8.
 
     python experiments/train_lm.py                                   # Python stdlib sources, fp32, nanoGPT CPU recipe
     python experiments/train_lm.py --data ../shared/data/tinyshakespeare.txt --precision fp16 --workdir runs/fp16

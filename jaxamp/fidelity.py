@@ -75,7 +75,7 @@ def gradient_pair(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
     Raises:
       ValueError: a bad `loss_fn` or `accum_steps`, as `train_step` says.
     """
-    check_options(loss_fn, accum_steps)
+    check_options(loss_fn, accum_steps, caller="grad_fidelity")
     rng = jax.random.fold_in(state.rng, state.step)
     mixed = _gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, False, carry).grads
     reference = state.replace(policy=_F32)

@@ -392,8 +392,9 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
       `underflow`, `nonfinite_at_min_scale` where they apply).
 
     Raises:
-      ValueError: `model` is not an NNX module, `opt` is not a `jaxamp.nnx.Optimizer` or was built for another
-        model, `loss_fn` changed the model's structure, or any error of `jaxamp.train_step`.
+      ValueError: `model` is not an NNX module, `opt` is not a `jaxamp.nnx.Optimizer` or was built for a model of
+        another structure or other shapes (a model of the same structure and shapes is taken: the way to load a
+        restored optimizer), `loss_fn` changed the model's structure, or any error of `jaxamp.train_step`.
     """
     _check_model(model)
     if not isinstance(opt, Optimizer):
@@ -466,7 +467,7 @@ def grad_fidelity(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Cal
     if not callable(loss_fn):
         raise ValueError(f"loss_fn must be a function loss_fn(model, batch), got {type(loss_fn).__name__}")
     graphdef, trained, state, fp8, rest = _split(model, opt)
-    check_options(loss_fn, accum_steps)  # before jit: accum_steps is one of its static arguments
+    check_options(loss_fn, accum_steps, caller="jaxamp.nnx.grad_fidelity")  # before jit: accum_steps is one of its static arguments
     return _fidelity(graphdef, trained, loss_fn, accum_steps, state, fp8, rest, batch)
 
 

@@ -38,7 +38,8 @@ def _resume(run: Run, ckpt: Checkpointer) -> tuple[TrainState, str | None]:
     abstract = jax.eval_shape(lambda: target) if run.mesh is None else abstract_state(target, run.mesh)
     state, _ = ckpt.restore(abstract, run.run_config(), match_keys=match_keys,
                             set_aside=Path(run.cfg.workdir) / "unusable-checkpoints")
-    _say(f"resumed from step {int(state.step)} ({ckpt.directory})")
+    if int(state.step) < run.cfg.steps:  # a finished run says "already holds step N" instead: nothing resumes
+        _say(f"resumed from step {int(state.step)} ({ckpt.directory})")
     if target is run.state:
         return state, None
     same_scale = (type(state.loss_scale) is type(run.state.loss_scale)

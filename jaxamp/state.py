@@ -260,12 +260,12 @@ def trainable_mask(trainable, params: PyTree) -> tuple[bool, ...] | None:
         values = [trainable(path, leaf) for path, leaf in flat]
     else:
         # As plain dicts: a dict prefix fits FrozenDict params and vice versa (both flatten in sorted key order).
-        plain = flax.core.unfreeze(params)
+        plain, rule = _unfrozen(params), _unfrozen(trainable)
         try:
             values = jax.tree.structure(plain).flatten_up_to(
-                jax.tree.map(lambda t, sub: jax.tree.map(lambda _: t, sub), flax.core.unfreeze(trainable), plain))
+                jax.tree.map(lambda t, sub: jax.tree.map(lambda _: t, sub), rule, plain))
         except (ValueError, TypeError) as err:
-            where = _prefix_mismatch(flax.core.unfreeze(trainable), plain) or str(err).splitlines()[0]
+            where = _prefix_mismatch(rule, plain) or " ".join(line.strip() for line in str(err).splitlines()[:2])
             raise ValueError(f"trainable must be a tree of bools shaped like params or a prefix of it, or a "
                              f"callable (path, leaf) -> bool; it does not fit params: {where}") from None
     bad = [(path, v) for (path, _), v in zip(flat, values) if not isinstance(v, (bool, np.bool_))]
@@ -279,8 +279,20 @@ def trainable_mask(trainable, params: PyTree) -> tuple[bool, ...] | None:
     return None if all(mask) else mask
 
 
+def _unfrozen(tree):
+    """`tree` with every FrozenDict, at any depth (inside lists and tuples too), a plain dict."""
+    if isinstance(tree, (dict, flax.core.FrozenDict)):
+        return {k: _unfrozen(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(_unfrozen(v) for v in tree)
+    return tree
+
+
 def _prefix_mismatch(tree, params, path: str = "") -> str | None:
     """Where a `trainable` tree first stops fitting `params` (dicts and lists), in one line; None if found nowhere."""
+    where = path or "the top"
+    if tree is None:
+        return f"at {where} trainable has None; write True or False"
     if isinstance(tree, dict):
         if not isinstance(params, dict):
             return f"at {path or 'the top'} trainable has a dict where params have {type(params).__name__}"
@@ -301,8 +313,16 @@ def _prefix_mismatch(tree, params, path: str = "") -> str | None:
     if isinstance(tree, (list, tuple)):
         keys = list(params) if isinstance(params, dict) else None
         if keys is not None and keys == list(range(len(keys))):
-            return (f"at {path or 'the top'} trainable has a {type(tree).__name__} where params have a dict keyed "
+            return (f"at {where} trainable has a {type(tree).__name__} where params have a dict keyed "
                     f"{keys[:8]}; write {{0: ..., 1: ...}}")
+        if type(params) is not type(tree):
+            return f"at {where} trainable has a {type(tree).__name__} where params have {type(params).__name__}"
+        if len(tree) != len(params):
+            return f"at {where} trainable has {len(tree)} entries where params have {len(params)}"
+        for i, (t, p) in enumerate(zip(tree, params)):
+            found = _prefix_mismatch(t, p, f"{path}[{i}]")
+            if found:
+                return found
     return None
 
 

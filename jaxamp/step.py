@@ -314,12 +314,14 @@ def train_step(
 
     FP8 (Flax's `Fp8DirectDotGeneralOp`/`Fp8Einsum`, e.g. `jaxamp.layers.Dense(fp8=True)`): `state.params` is then
     the model's variables dict and its `"_overwrite_with_gradient"` collection holds per-tensor scales and amax
-    histories whose "gradient" is their new value. That collection is not cast (float32), takes no part in the
-    finite check, `grad_norm`, clipping, weight decay or the optax update, and is never unscaled as a gradient: it is
-    stored loss-scale free (its output-gradient entries are multiplied by the loss scale going in and divided coming
-    out, exact for power-of-2 scales, so the FP8 state does not depend on the scale). Under accumulation the
-    micro-batches' new values combine by element-wise maximum (one history entry per optimizer step, holding the
-    largest amax of the micro-batches). On a skipped step it stays bitwise unchanged, like the params.
+    histories whose "gradient" is their new value. That collection is not cast (float32), takes no part in
+    `grad_norm`, clipping, weight decay or the optax update, and is never unscaled as a gradient: it is stored
+    loss-scale free (its output-gradient entries are multiplied by the loss scale going in and divided coming out,
+    exact for power-of-2 scales, so the FP8 state does not depend on the scale). Its new amax values do count in the
+    finite check (FP8 clips an overflowed output gradient to e5m2's range, so only its amax shows it). Under
+    accumulation, and over several calls of one op in a loss (it enters the loss as Flax's `fp32_max_grad` dtype),
+    new values combine by element-wise maximum (one history entry per optimizer step, holding the largest amax). An
+    op the loss does not call keeps its values. On a skipped step it stays bitwise unchanged, like the params.
 
     Args:
       state: the `TrainState`. Donating it is safe.
@@ -429,8 +431,9 @@ def train_step_with_carry(state: TrainState, batch: PyTree, loss_fn: Callable, c
 
 
 def check_options(loss_fn, accum_steps: int, *, max_retries: int = 0, on_overflow: str = "skip",
-                  underflow_stats: bool = False) -> None:
-    """`train_step`'s checks of its static arguments, shared with `jaxamp.fidelity`.
+                  underflow_stats: bool = False, caller: str = "train_step") -> None:
+    """`train_step`'s checks of its static arguments, shared with `jaxamp.fidelity` (`caller` names the function
+    in the messages).
 
     Raises:
       ValueError: in one line, naming the argument and the fix.
@@ -438,18 +441,21 @@ def check_options(loss_fn, accum_steps: int, *, max_retries: int = 0, on_overflo
     if not callable(loss_fn):
         raise ValueError(f"loss_fn must be a function loss_fn(params, batch, rng) -> loss | (loss, aux), got "
                          f"{type(loss_fn).__name__}")
+    donate = ", donate_argnums=0" if caller == "train_step" else ""
     for name, value in (("accum_steps", accum_steps), ("max_retries", max_retries),
                         ("underflow_stats", underflow_stats)):
         if isinstance(value, jax.core.Tracer):
             raise ValueError(f"{name} must be a static Python value: under jax.jit name it in static_argnames, e.g. "
-                             f"jax.jit(train_step, static_argnames=('loss_fn', '{name}'), donate_argnums=0)")
+                             f"jax.jit({caller}, static_argnames=('loss_fn', '{name}'){donate})")
     if on_overflow not in ("skip", "retry"):
         raise ValueError(f'on_overflow must be "skip" or "retry", got {on_overflow!r}')
     for name, value in (("accum_steps", accum_steps), ("max_retries", max_retries)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ValueError(f"{name} must be an integer, got {value!r}")
-    if accum_steps < 1 or max_retries < 0:
-        raise ValueError(f"accum_steps must be >= 1 and max_retries >= 0, got {accum_steps}, {max_retries}")
+    if accum_steps < 1:
+        raise ValueError(f"accum_steps must be >= 1 (micro-batches per step), got {accum_steps}")
+    if max_retries < 0:
+        raise ValueError(f"max_retries must be >= 0, got {max_retries}")
 
 
 def eval_step(state: TrainState, batch: PyTree, loss_fn: LossFn) -> dict:

@@ -164,8 +164,10 @@ def build(cfg: TrainConfig) -> Run:
 
     step_fn = jax.jit(step_with_lr, donate_argnums=0)
     eval_fn = jax.jit(lambda s, b: eval_step(s, b, loss_fn)["loss"])
-    # FP8: the float32 reference bypasses the FP8 ops (the same model without them; grad_fidelity does it).
-    fidelity_fn = jax.jit(lambda s, b: grad_fidelity(s, b, loss_fn, accum_steps=cfg.accum_steps))
+    # FP8: the float32 reference bypasses the FP8 ops (the same model without them; grad_fidelity does it). Keys as in
+    # the other precisions: an FP8 state's params are the variables dict, its paths start with "params/".
+    fidelity_fn = jax.jit(lambda s, b: {k.removeprefix("params/") if model_cfg.fp8 else k: v for k, v in
+                                        grad_fidelity(s, b, loss_fn, accum_steps=cfg.accum_steps).items()})
     if mesh is not None:  # shardings pinned: a step's output feeds the next one (and a restore) with no recompile
         step_fn = jit_train_step(step_with_lr, mesh)
         eval_fn = jit_eval_step(lambda s, b: eval_step(s, b, loss_fn)["loss"], mesh)

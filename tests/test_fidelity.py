@@ -4,6 +4,7 @@ float32 lookups and float32 bias/position sums (`jaxamp.layers`), the per-leaf `
 (`trainable`), retry on a NaN that no scale fixes, and the gradient-fidelity check (`jaxamp.fidelity`).
 """
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -254,6 +255,18 @@ def test_trainable_errors_name_the_problem():
         make({"other": True})
     with pytest.raises(ValueError, match=r"at the top trainable lacks the keys \['head'\]"):
         make({"frozen": False})
+    with pytest.raises(ValueError, match=r"at \['head'\] trainable has None; write True or False"):
+        make({"frozen": False, "head": None})
+    a = jnp.ones(2)
+    listed = lambda t, p: TrainState.create(  # noqa: E731
+        params=p, tx=optax.sgd(1.0), policy="fp32", loss_scale=NoOpLossScale(), rng=jax.random.key(0), trainable=t)
+    with pytest.raises(ValueError, match=r"at \['l'\] trainable has 1 entries where params have 2$"):
+        listed({"l": [True]}, {"l": [a, a]})
+    with pytest.raises(ValueError, match=r"at the top trainable has a tuple where params have list$"):
+        listed((False, True), [a, a])
+    # A dict rule fits FrozenDicts inside a list too (flax.core.unfreeze stops at the list).
+    frozen = [flax.core.freeze({"w": a, "b": a}), flax.core.freeze({"w": a, "b": a})]
+    assert listed([{"w": True, "b": False}, True], frozen).trainable == (False, True, True, True)
     assert make(True).trainable is None  # all trainable: the canonical None
 
 

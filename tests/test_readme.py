@@ -61,3 +61,29 @@ def test_readme_nnx_examples_run(tmp_path):
     assert lines[6] == "4 True True", lines  # restored model and optimizer continue exactly
     assert lines[7] == "True True", lines  # the FP8 MLP: finite steps, delayed scaling moved its input scale
     assert lines[8] == "l1/dot_general input ['l1/bias', 'l1/kernel', 'l2/bias', 'l2/kernel']", lines  # diagnostics
+
+
+def test_readme_float32_lookups_example_trains_and_checks_its_gradients(tmp_path):
+    """The `jaxamp.layers` LM of "Float32 lookups": it initialises, trains a step under its bf16 policy and passes
+    grad_fidelity's float32 reference (its dtype comes from the params), under strict promotion."""
+    block = _block("`jaxamp.layers` holds the pieces that keep those sums in float32")
+    script = tmp_path / "readme_lm.py"
+    script.write_text("import jax, jax.numpy as jnp, optax\nimport flax.linen as nn\n" + block + """
+from jaxamp import NoOpLossScale, TrainState, train_step
+from jaxamp.fidelity import grad_fidelity
+lm = LM(50)
+ids = jax.random.randint(jax.random.key(0), (4, 9), 0, 50)
+state = TrainState.create(params=lm.init(jax.random.key(1), ids[:, :-1])["params"], tx=optax.adam(1e-3),
+                          policy=policy, loss_scale=NoOpLossScale(), rng=jax.random.key(2))
+def loss_fn(params, batch, rng):
+    logits = lm.apply({"params": params}, batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+state, metrics = jax.jit(train_step, static_argnames="loss_fn")(state, ids, loss_fn)
+errors = grad_fidelity(state, ids, loss_fn)
+print(bool(metrics["grads_finite"]), sorted(errors)[:2], max(float(e) for e in errors.values()) < 0.05)
+""", encoding="utf-8")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUMPY_DTYPE_PROMOTION": "strict"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "True ['down/bias', 'down/kernel'] True", proc.stdout
