@@ -169,7 +169,20 @@ class Optimizer(nnx.Pytree):
 
     def load_train_state(self, model: nnx.Module, state: TrainState) -> None:
         """Writes a `train_state(model, whole_model=True)`-shaped state (e.g. restored from a checkpoint) into
-        `model` and this optimizer, in place. (`train_state(model)`'s `wrt`-only form loads as well.)"""
+        `model` and this optimizer, in place. (`train_state(model)`'s `wrt`-only form loads as well.)
+
+        Raises:
+          ValueError: the state does not fit the model and this optimizer (a leaf's place, shape or dtype, the optax
+            state or the loss scale differs), naming the first difference; nothing is changed then.
+        """
+        whole = _pure(nnx.state(model))
+        params = whole if jax.tree.structure(state.params) == jax.tree.structure(whole) else self._params_of(model)
+        _check_fits("params", state.params, params)
+        _check_fits("opt_state", state.opt_state, _values(self.opt_state))
+        if type(state.loss_scale) is not type(_values(self.loss_scale)):
+            raise ValueError(f"the state's loss scale is a {type(state.loss_scale).__name__}, this optimizer's a "
+                             f"{type(_values(self.loss_scale)).__name__}: build the Optimizer with the saved one")
+        _check_fits("loss_scale", state.loss_scale, _values(self.loss_scale))
         _update_model(model, state.params)
         self._load(state)
 
@@ -188,6 +201,24 @@ class Optimizer(nnx.Pytree):
         _assign(self.loss_scale, state.loss_scale)
 
 
+def _check_fits(name: str, got: PyTree, want: PyTree) -> None:
+    """One-line ValueError at the first leaf of `got` whose place, shape or dtype differs from `want`'s."""
+    flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
+    flat_want = jax.tree_util.tree_flatten_with_path(want)[0]
+    for (path, g), (want_path, w) in zip(flat_got, flat_want):
+        if path != want_path:
+            raise ValueError(f"the state's {name}{jax.tree_util.keystr(path)} has no place in this model's (it has "
+                             f"{name}{jax.tree_util.keystr(want_path)} there): a state of another model; nothing "
+                             "was loaded")
+        if jnp.shape(g) != jnp.shape(w) or jnp.result_type(g) != jnp.result_type(w):
+            raise ValueError(f"the state's {name}{jax.tree_util.keystr(path)} is {jnp.result_type(g)}"
+                             f"{list(jnp.shape(g))} but this model's is {jnp.result_type(w)}{list(jnp.shape(w))}; "
+                             "nothing was loaded")
+    if len(flat_got) != len(flat_want):
+        raise ValueError(f"the state's {name} has {len(flat_got)} arrays, this model's {len(flat_want)}: a state of "
+                         "another model; nothing was loaded")
+
+
 def _trained(wrt):
     """The filter of the variables an optimizer with `wrt` trains: `wrt` without the FP8 variables."""
     return nnx.All(wrt, nnx.Not(_FP8))
@@ -198,7 +229,7 @@ def _model_params(model, wrt) -> PyTree:
     (`{"l1": {"kernel": f32[4, 32]}}`), plus, when it has `Fp8Meta` variables, those under `FP8_COLLECTION`
     (`{..., "_overwrite_with_gradient": {"l1": {"dot_general": {"input_scale": f32[1], ...}}}}`), where
     `jaxamp.train_step` finds a linen model's FP8 collection."""
-    params = _wrt_params(model, _trained(wrt))
+    params = _wrt_params(model, wrt)
     fp8 = _pure(nnx.state(model, _FP8))
     if not fp8:
         return params
@@ -215,8 +246,9 @@ def _update_model(model, params: PyTree, *more: PyTree) -> None:
 
 
 def _wrt_params(model, wrt) -> PyTree:
-    """`nnx.state(model, wrt)` as plain arrays; raises on an empty selection or a non-float variable."""
-    params = _pure(nnx.state(model, wrt))
+    """`nnx.state(model, wrt)` without the FP8 variables, as plain arrays; raises on an empty selection or a
+    non-float variable (naming `wrt` as the caller wrote it)."""
+    params = _pure(nnx.state(model, _trained(wrt)))
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     if not flat:
         raise ValueError(f"wrt={wrt!r} selects no variable of the model: pass nnx.Param (the default) or a filter "

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 from jaxamp.loss_scale import LossScale
-from jaxamp.precision import get_policy, leaf_path
+from jaxamp.precision import get_policy, leaf_path, policy_name, uses_fp8
 
 PyTree = Any
 # Flax's FP8 ops keep their scales and amax histories in this collection; the "gradient" of each is its new value.
@@ -179,8 +179,8 @@ class TrainState:
         Raises:
           ValueError: `rng` is not a threefry PRNG key, `loss_scale` is not a jaxamp loss scale, `policy` is neither
             a `jmp.Policy` nor a known spec, `tx` is not an optax transformation, a `params` leaf is not a float
-            array or scalar (names the leaf), or `trainable` does not fit `params`, is not boolean, or freezes
-            every leaf.
+            array or scalar (names the leaf), `trainable` does not fit `params`, is not boolean, or freezes
+            every leaf, or an FP8 policy (`"fp8"`, `"fp16;fp8"`) meets params without the FP8 collection.
         """
         if not isinstance(loss_scale, LossScale):
             raise ValueError(
@@ -191,6 +191,11 @@ class TrainState:
             raise ValueError(f"tx must be an optax GradientTransformation, e.g. optax.adamw(1e-3), got "
                              f"{type(tx).__name__}")
         regular, fp8 = split_fp8(jax.tree_util.tree_map_with_path(_float_array, params))
+        if uses_fp8(policy) and fp8 is None:
+            raise ValueError(f"policy {policy_name(policy)!r} trains FP8 matmuls through the model's own FP8 ops, "
+                             f"but params hold no FP8 collection ({FP8_COLLECTION!r}): build the model with FP8 ops "
+                             "(jaxamp.layers.Dense(fp8=True), nn.Fp8DirectDotGeneralOp, jaxamp.nnx.Fp8DotGeneral) "
+                             "and pass its whole variables dict, not variables['params'] (or use 'bf16')")
         regular = policy.cast_to_param(regular)  # the FP8 scales and histories stay float32
         _check_keep_float32(policy, regular)
         mask = trainable_mask(trainable, regular)

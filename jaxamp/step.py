@@ -115,6 +115,10 @@ def _max_combined(fp8: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jax.lax.convert_element_type(x, fp8_ops.fp32_max_grad), fp8)
 
 
+def _as_float32_if_fm32(x):
+    return jax.lax.convert_element_type(x, jnp.float32) if getattr(x, "dtype", None) == fp8_ops.fp32_max_grad else x
+
+
 _FP8_TENSORS = ("input", "kernel", "output_grad")
 
 
@@ -164,12 +168,14 @@ def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
     except TypeError as err:
         if "fp8_meta" not in str(err):
             raise
-        raise ValueError("an FP8 op's scales are shared across a jax.vmap axis inside loss_fn (a per-example vmap of "
-                         "an FP8 layer): its amax cannot be combined over the mapped axis; call the layer on the whole "
-                         "batch, or give each mapped slice its own FP8 state (nn.vmap / nnx.vmap of the variables)"
-                         ) from None
+        raise ValueError("loss_fn used an FP8 scale or amax history as a number, or vmapped an FP8 layer per example: "
+                         "inside the step they are Flax's fp32_max_grad dtype, which only FP8 ops compute with (and "
+                         "whose amax cannot be combined over a jax.vmap axis); read them outside loss_fn, call the "
+                         "layer on the whole batch, or give each mapped slice its own FP8 state (nn.vmap / nnx.vmap "
+                         "of the variables)") from None
     # An op in a lax.cond branch not taken gets fm32's zero, -inf: 0, as for an op the loss does not call at all.
     fp8_new = jax.tree.map(lambda x: jnp.where(x == -jnp.inf, jnp.zeros_like(x), x), fp8_new)
+    aux = jax.tree.map(_as_float32_if_fm32, aux)  # an FP8 scale returned for monitoring: a plain float32 array
     return grads_c, loss, aux, _fp8_in_scaled_units(fp8_new, loss_scale, inverse=True), new_carry
 
 

@@ -521,7 +521,7 @@ def test_an_fp8_op_in_a_cond_branch_not_taken_keeps_its_state_and_the_step_appli
         y = jax.vmap(lambda xi: one.apply(params, xi[None].astype(jnp.bfloat16))[0])(batch["x"])
         return jnp.mean(jnp.square(y.astype(jnp.float32) - 1))
 
-    with pytest.raises(ValueError, match="shared across a jax.vmap axis"):
+    with pytest.raises(ValueError, match="vmapped an FP8 layer per example"):
         STEP(per_example, {"x": x}, vmapped_loss)
 
 

@@ -532,3 +532,45 @@ def test_fp8_ranges_reads_what_the_fp8_dot_quantizes_and_refuses_what_it_cannot_
 
     with pytest.raises(ValueError, match="outside jax.jit"):
         nnx.jit(lambda m: fp8_ranges(m, layer_opt, make_batch(1), loss_fn))(layer)
+
+
+def test_load_train_state_refuses_a_state_that_does_not_fit_and_changes_nothing():
+    """Before: a state of other shapes loaded silently (the next step then blamed the optimizer), and a failing one
+    had already overwritten the model's Params and FP8 variables."""
+    model, opt = fresh()
+    train_step(model, opt, make_batch(0), loss_fn)
+    other = nnx.Linear(8, 32, dot_general=Fp8DotGeneral(2 * HISTORY), rngs=nnx.Rngs(1))  # l1 with a longer history
+    donor = Fp8MLP(nnx.Rngs(3))
+    donor.l1 = other
+    donor_opt = Optimizer(donor, TX, policy="fp8", loss_scale=NoOpLossScale())
+    before = bits((nnx.state(model), nnx.state(opt)))
+    with pytest.raises(ValueError, match=r"input_amax_history'\] is float32\[8\] but this model's is float32\[4\]"):
+        opt.load_train_state(model, donor_opt.train_state(donor, whole_model=True))
+    sgd_model = Fp8MLP(nnx.Rngs(0))
+    sgd_opt = Optimizer(sgd_model, optax.sgd(0.1), policy="fp8", loss_scale=NoOpLossScale())
+    with pytest.raises(ValueError, match="opt_state has 0 arrays"):
+        opt.load_train_state(model, sgd_opt.train_state(sgd_model, whole_model=True))
+    dynamic_model, _ = fresh()
+    dynamic = Optimizer(dynamic_model, TX, policy="fp16;fp8", loss_scale=DynamicLossScale())
+    with pytest.raises(ValueError, match="loss scale is a DynamicLossScale"):
+        opt.load_train_state(model, dynamic.train_state(dynamic_model, whole_model=True))
+    assert bits((nnx.state(model), nnx.state(opt))) == before
+
+
+def test_fp8_values_inside_loss_fn_aux_come_back_float32_and_arithmetic_on_them_is_one_error():
+    model, opt = fresh()
+
+    def aux_loss(model, batch):
+        return loss_fn(model, batch), {"scale": model.l1.dot_general.input_scale[...]}
+
+    aux = train_step(model, opt, make_batch(0), aux_loss)["aux"]["scale"]
+    assert aux.dtype == jnp.float32 and np.asarray(aux).tolist() == [1.0]  # the scale the step used
+
+    def read_loss(model, batch):
+        return loss_fn(model, batch) + 0.0 * jnp.sum(model.l1.dot_general.input_scale[...])
+
+    with pytest.raises(ValueError, match="used an FP8 scale or amax history as a number"):
+        train_step(model, opt, make_batch(1), read_loss)
+    plain = nnx.Linear(8, 1, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="params hold no FP8 collection"):
+        Optimizer(plain, TX, policy="fp8", loss_scale=NoOpLossScale())
