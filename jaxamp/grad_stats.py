@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp.precision import leaf_path
+
 PyTree = Any
 
 
@@ -53,17 +55,18 @@ def underflow_stats(scaled_grads: PyTree) -> dict:
 
 
 def nonfinite_paths(leaf_finite: PyTree) -> list[str]:
-    """Host side: the pytree paths (e.g. `['h_0']['mlp']['c_fc']['kernel']`) whose `bool[]` flag is False.
+    """Host side: the leaf paths (e.g. `"h_0/mlp/c_fc/kernel"`, as `jaxamp.precision.leaf_path` writes them, the
+    form of `grad_rel_err` and `keep_float32` patterns) whose `bool[]` flag is False.
 
     Call it on fetched flags (`metrics["grads_finite_leaves"]`) of a skipped step only: names are built on the host,
     and only when needed.
     """
     flat = jax.tree_util.tree_flatten_with_path(leaf_finite)[0]
-    return [jax.tree_util.keystr(path) for path, ok in flat if not bool(np.asarray(ok))]
+    return [leaf_path(path) for path, ok in flat if not bool(np.asarray(ok))]
 
 
 def worst_leaves(leaf_values: PyTree, k: int = 3, *, largest: bool = True) -> list[tuple[str, float]]:
-    """Host side: the `k` leaves with the largest (or smallest) value, as `(path, value)` pairs; NaN values first."""
-    flat = [(jax.tree_util.keystr(p), float(np.asarray(v))) for p, v in jax.tree_util.tree_flatten_with_path(
-        leaf_values)[0]]
+    """Host side: the `k` leaves with the largest (or smallest) value, as `(leaf_path, value)` pairs; NaN values
+    first."""
+    flat = [(leaf_path(p), float(np.asarray(v))) for p, v in jax.tree_util.tree_flatten_with_path(leaf_values)[0]]
     return sorted(flat, key=lambda pv: (not math.isnan(pv[1]), -pv[1] if largest else pv[1]))[:k]

@@ -30,10 +30,10 @@ def test_underflow_stats_edge_trees():
 
 def test_nonfinite_paths_and_worst_leaves():
     flags = {"l1": {"w": np.bool_(True), "b": np.bool_(False)}, "l2": [np.bool_(False)]}
-    assert nonfinite_paths(flags) == ["['l1']['b']", "['l2'][0]"]
+    assert nonfinite_paths(flags) == ["l1/b", "l2/0"]
     values = {"a": 0.1, "b": 0.9, "c": 0.5}
-    assert worst_leaves(values, 2) == [("['b']", 0.9), ("['c']", 0.5)]
-    assert worst_leaves(values, 1, largest=False) == [("['a']", 0.1)]
+    assert worst_leaves(values, 2) == [("b", 0.9), ("c", 0.5)]
+    assert worst_leaves(values, 1, largest=False) == [("a", 0.1)]
     with_nan = {**values, "n": float("nan")}  # a NaN headroom (a NaN gradient) is the worst either way
-    assert [p for p, _ in worst_leaves(with_nan, 2)] == ["['n']", "['b']"]
-    assert [p for p, _ in worst_leaves(with_nan, 2, largest=False)] == ["['n']", "['a']"]
+    assert [p for p, _ in worst_leaves(with_nan, 2)] == ["n", "b"]
+    assert [p for p, _ in worst_leaves(with_nan, 2, largest=False)] == ["n", "a"]

@@ -346,7 +346,7 @@ def test_overflow_localisation_names_exactly_the_poisoned_leaf():
     state = make_state("fp16", DynamicLossScale(2.0**8))
     _, metrics = step(state, {**make_batch(0), "gpoison": jnp.asarray(jnp.inf, jnp.float16)}, loss_fn)
     assert not bool(metrics["grads_finite"]) and bool(metrics["loss_finite"])
-    assert nonfinite_paths(jax.device_get(metrics["grads_finite_leaves"])) == ["['l2']['w']"]
+    assert nonfinite_paths(jax.device_get(metrics["grads_finite_leaves"])) == ["l2/w"]
 
 
 def test_loss_finite_separates_bad_inputs_from_gradient_overflow():
