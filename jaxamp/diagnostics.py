@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp.precision import leaf_path
+
 PyTree = Any
 
 __all__ = [
@@ -408,7 +410,7 @@ def _stats(ref: list[np.ndarray], unscaled: list[np.ndarray], scaled: list[np.nd
 
 def _flat_named(tree: PyTree) -> tuple[list[str], list]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [jax.tree_util.keystr(p) for p, _ in flat], [x for _, x in flat]
+    return [leaf_path(p) for p, _ in flat], [x for _, x in flat]
 
 
 def _loss_only(out) -> jax.Array:

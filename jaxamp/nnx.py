@@ -175,10 +175,10 @@ class Optimizer(nnx.Pytree):
           ValueError: the state does not fit the model and this optimizer (a leaf's place, shape or dtype, the optax
             state or the loss scale differs), naming the first difference; nothing is changed then.
         """
-        whole = _pure(nnx.state(model))
-        params = whole if jax.tree.structure(state.params) == jax.tree.structure(whole) else self._params_of(model)
-        _check_fits("params", state.params, params)
-        _check_fits("opt_state", state.opt_state, _values(self.opt_state))
+        whole, wrt = _pure(nnx.state(model)), self._params_of(model)
+        _check_fits("params", state.params, max((wrt, whole), key=lambda t: len(_paths(t) & _paths(state.params))))
+        _check_fits("opt_state", state.opt_state, _values(self.opt_state), what="optax transformation")
+        _check_fits("step", state.step, self.step.get_value(), what="optimizer")
         if type(state.loss_scale) is not type(_values(self.loss_scale)):
             raise ValueError(f"the state's loss scale is a {type(state.loss_scale).__name__}, this optimizer's a "
                              f"{type(_values(self.loss_scale)).__name__}: build the Optimizer with the saved one")
@@ -201,22 +201,28 @@ class Optimizer(nnx.Pytree):
         _assign(self.loss_scale, state.loss_scale)
 
 
-def _check_fits(name: str, got: PyTree, want: PyTree) -> None:
-    """One-line ValueError at the first leaf of `got` whose place, shape or dtype differs from `want`'s."""
-    flat_got = jax.tree_util.tree_flatten_with_path(got)[0]
-    flat_want = jax.tree_util.tree_flatten_with_path(want)[0]
-    for (path, g), (want_path, w) in zip(flat_got, flat_want):
-        if path != want_path:
-            raise ValueError(f"the state's {name}{jax.tree_util.keystr(path)} has no place in this model's (it has "
-                             f"{name}{jax.tree_util.keystr(want_path)} there): a state of another model; nothing "
-                             "was loaded")
+def _paths(tree: PyTree) -> set[str]:
+    return {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_fits(name: str, got: PyTree, want: PyTree, what: str = "model") -> None:
+    """One-line ValueError naming the first leaf of `got` that `want` lacks (or the reverse), or whose shape or dtype
+    differs, or `got`'s other structure with the same leaves (another optax chain)."""
+    have, need = _paths(got), _paths(want)
+    for extra, where in ((sorted(have - need), "has"), (sorted(need - have), "lacks")):
+        if extra:
+            raise ValueError(f"the state {where} {name}{extra[0]}, which this {what} "
+                             f"{'lacks' if where == 'has' else 'has'}: a state of another {what}; nothing was loaded")
+    wanted = dict((jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(want)[0])
+    for path, g in jax.tree_util.tree_flatten_with_path(got)[0]:
+        w = wanted[jax.tree_util.keystr(path)]
         if jnp.shape(g) != jnp.shape(w) or jnp.result_type(g) != jnp.result_type(w):
             raise ValueError(f"the state's {name}{jax.tree_util.keystr(path)} is {jnp.result_type(g)}"
-                             f"{list(jnp.shape(g))} but this model's is {jnp.result_type(w)}{list(jnp.shape(w))}; "
+                             f"{list(jnp.shape(g))} but this {what}'s is {jnp.result_type(w)}{list(jnp.shape(w))}; "
                              "nothing was loaded")
-    if len(flat_got) != len(flat_want):
-        raise ValueError(f"the state's {name} has {len(flat_got)} arrays, this model's {len(flat_want)}: a state of "
-                         "another model; nothing was loaded")
+    if jax.tree.structure(got) != jax.tree.structure(want):
+        raise ValueError(f"the state's {name} holds the same arrays in another structure (e.g. adamw's chain where "
+                         f"this one is adam's): a state of another {what}; nothing was loaded")
 
 
 def _trained(wrt):

@@ -137,6 +137,7 @@ class TrainState:
                 f"the master weights are {old.name} but the new policy keeps them in {new.name}: the optimizer state "
                 f"was made for {old.name} weights; switch to a policy with {old.name} master weights (the presets "
                 f"fp32, bf16 and fp16 all keep float32), or start a new run from the weights")
+        _check_fp8(policy, self.params)
         _check_keep_float32(policy, split_fp8(self.params)[0])
         return self.replace(policy=policy, loss_scale=loss_scale)
 
@@ -191,11 +192,7 @@ class TrainState:
             raise ValueError(f"tx must be an optax GradientTransformation, e.g. optax.adamw(1e-3), got "
                              f"{type(tx).__name__}")
         regular, fp8 = split_fp8(jax.tree_util.tree_map_with_path(_float_array, params))
-        if uses_fp8(policy) and fp8 is None:
-            raise ValueError(f"policy {policy_name(policy)!r} trains FP8 matmuls through the model's own FP8 ops, "
-                             f"but params hold no FP8 collection ({FP8_COLLECTION!r}): build the model with FP8 ops "
-                             "(jaxamp.layers.Dense(fp8=True), nn.Fp8DirectDotGeneralOp, jaxamp.nnx.Fp8DotGeneral) "
-                             "and pass its whole variables dict, not variables['params'] (or use 'bf16')")
+        _check_fp8(policy, params)
         regular = policy.cast_to_param(regular)  # the FP8 scales and histories stay float32
         _check_keep_float32(policy, regular)
         mask = trainable_mask(trainable, regular)
@@ -213,6 +210,15 @@ class TrainState:
             policy=policy,
             trainable=mask,
         )
+
+
+def _check_fp8(policy: jmp.Policy, params: PyTree) -> None:
+    """An FP8 policy needs the model's FP8 state: refuses params without (an empty) FP8 collection."""
+    if uses_fp8(policy) and not jax.tree.leaves(split_fp8(params)[1]):
+        raise ValueError(f"policy {policy_name(policy)!r} trains FP8 matmuls through the model's own FP8 ops, but "
+                         f"params hold no FP8 collection ({FP8_COLLECTION!r}): build the model with FP8 ops "
+                         "(jaxamp.layers.Dense(fp8=True), nn.Fp8DirectDotGeneralOp, jaxamp.nnx.Fp8DotGeneral) and "
+                         "pass its whole variables dict, not variables['params'] (or use 'bf16')")
 
 
 def _check_policy(policy) -> jmp.Policy:
@@ -288,7 +294,9 @@ def _unfrozen(tree):
     """`tree` with every FrozenDict, at any depth (inside lists and tuples too), a plain dict."""
     if isinstance(tree, (dict, flax.core.FrozenDict)):
         return {k: _unfrozen(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
+        return type(tree)(*(_unfrozen(v) for v in tree))
+    if isinstance(tree, (list, tuple)):
         return type(tree)(_unfrozen(v) for v in tree)
     return tree
 
@@ -297,11 +305,14 @@ def _prefix_mismatch(tree, params, path: str = "") -> str | None:
     """Where a `trainable` tree first stops fitting `params` (dicts and lists), in one line; None if found nowhere."""
     where = path or "the top"
     if tree is None:
-        return f"at {where} trainable has None; write True or False"
+        return None if params is None else f"at {where} trainable has None; write True or False"
     if isinstance(tree, dict):
         if not isinstance(params, dict):
             return f"at {path or 'the top'} trainable has a dict where params have {type(params).__name__}"
         for key in tree:
+            if key == FP8_COLLECTION and not path:
+                return (f"trainable names the FP8 collection {FP8_COLLECTION!r}: it is not a trainable param (its "
+                        "scales and histories always update); leave it out of trainable")
             if key not in params:
                 hint = (f"; NNX lists (nnx.List, nn.Sequential layers) are keyed by int: write {int(key)}"
                         if isinstance(key, str) and key.isdigit() and int(key) in params else "")

@@ -4,6 +4,8 @@ float32 lookups and float32 bias/position sums (`jaxamp.layers`), the per-leaf `
 (`trainable`), retry on a NaN that no scale fixes, and the gradient-fidelity check (`jaxamp.fidelity`).
 """
 
+import collections
+
 import flax
 import jax
 import jax.numpy as jnp
@@ -267,6 +269,11 @@ def test_trainable_errors_name_the_problem():
     # A dict rule fits FrozenDicts inside a list too (flax.core.unfreeze stops at the list).
     frozen = [flax.core.freeze({"w": a, "b": a}), flax.core.freeze({"w": a, "b": a})]
     assert listed([{"w": True, "b": False}, True], frozen).trainable == (False, True, True, True)
+    pair = collections.namedtuple("pair", "first second")
+    assert listed(pair({"w": False}, True), pair(flax.core.freeze({"w": a}), a)).trainable == (False, True)
+    # None where params hold None is a fitting prefix: the message points at the real misfit.
+    with pytest.raises(ValueError, match=r"at \['b'\] trainable has key 'x', params have \['y'\]$"):
+        listed({"a": None, "b": {"x": True}, "c": False}, {"a": None, "b": {"y": a}, "c": a})
     assert make(True).trainable is None  # all trainable: the canonical None
 
 

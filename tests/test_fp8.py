@@ -552,3 +552,19 @@ def test_fp8_ranges_gives_each_call_of_a_shared_op_its_rows_and_refuses_inner_tr
 
     with pytest.raises(ValueError, match="inside a transform of loss_fn"):
         fp8_ranges(remat_state, batch, remat_loss)
+
+
+def test_an_fp8_policy_needs_the_fp8_collection():
+    """Refused: variables['params'] alone (FP8 state dropped), an empty collection, with_policy into fp8, and a
+    trainable rule that names the collection (it always updates)."""
+    variables = NET.init(jax.random.key(0), jnp.zeros((1, 8)))
+    make = lambda params, policy="fp8", **kw: TrainState.create(  # noqa: E731
+        params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(), rng=jax.random.key(1), **kw)
+    for params in (variables["params"], {"params": variables["params"], FP8_COLLECTION: {}}):
+        with pytest.raises(ValueError, match="params hold no FP8 collection"):
+            make(params)
+    with pytest.raises(ValueError, match="params hold no FP8 collection"):
+        make(variables["params"], "bf16").with_policy("fp8", NoOpLossScale())
+    assert make(variables).with_policy("bf16", NoOpLossScale()).policy is not None
+    with pytest.raises(ValueError, match="trainable names the FP8 collection"):
+        make(variables, trainable=jax.tree.map(lambda _: True, variables))

@@ -548,8 +548,14 @@ def test_load_train_state_refuses_a_state_that_does_not_fit_and_changes_nothing(
         opt.load_train_state(model, donor_opt.train_state(donor, whole_model=True))
     sgd_model = Fp8MLP(nnx.Rngs(0))
     sgd_opt = Optimizer(sgd_model, optax.sgd(0.1), policy="fp8", loss_scale=NoOpLossScale())
-    with pytest.raises(ValueError, match="opt_state has 0 arrays"):
+    with pytest.raises(ValueError, match=r"the state lacks opt_state\[0\]\.count, which this optax"):
         opt.load_train_state(model, sgd_opt.train_state(sgd_model, whole_model=True))
+    adamw_model = Fp8MLP(nnx.Rngs(0))  # adamw's state holds adam's arrays in another chain
+    adamw_opt = Optimizer(adamw_model, optax.adamw(1e-2), policy="fp8", loss_scale=NoOpLossScale())
+    with pytest.raises(ValueError, match="same arrays in another structure"):
+        opt.load_train_state(model, adamw_opt.train_state(adamw_model))
+    with pytest.raises(ValueError, match=r"step is float32\[\] but this optimizer's is int32\[\]"):
+        opt.load_train_state(model, opt.train_state(model).replace(step=jnp.float32(3.5)))
     dynamic_model, _ = fresh()
     dynamic = Optimizer(dynamic_model, TX, policy="fp16;fp8", loss_scale=DynamicLossScale())
     with pytest.raises(ValueError, match="loss scale is a DynamicLossScale"):
