@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import fp8_ops
 
-from jaxamp.diagnostics import FloatFormat
+from jaxamp.diagnostics import FloatFormat, _loss_only
 from jaxamp.state import FP8_COLLECTION, TrainState, split_fp8
 
 PyTree = Any
@@ -61,6 +61,9 @@ _TENSORS = {"input": (0, "input_scale", "input_amax_history"),
 
 
 _VARIABLES = [name for _, scale, history in _TENSORS.values() for name in (scale, history)]
+# input_* <-> kernel_*: the variables of the other operand (for an einsum that contracts the kernel first)
+_SWAPPED = {a: b for x, y in (("input", "kernel"), ("kernel", "input")) for a, b in
+            ((f"{x}_scale", f"{y}_scale"), (f"{x}_amax_history", f"{y}_amax_history"))}
 _ACTIVE: contextvars.ContextVar[_Fp8Recorder | None] = contextvars.ContextVar("jaxamp_fp8_recorder", default=None)
 
 
@@ -95,8 +98,7 @@ class _Fp8Recorder:
             if einsum_swaps(args[0], lhs.shape, rhs.shape):
                 # The op quantizes the kernel with its input_* variables and the inputs with its kernel_* ones: each
                 # tensor's row reads the variables that scale it.
-                variables = {name: variables[name.replace("input", "@").replace("kernel", "input").replace(
-                    "@", "kernel")] for name in variables}
+                variables = {name: variables[_SWAPPED.get(name, name)] for name in variables}
             lhs, rhs = einsum_operands(args[0], jnp.asarray(lhs, rhs.dtype), rhs)
         formats = (context.module.e4m3_dtype, context.module.e5m2_dtype)  # e4m3fnuz/e5m2fnuz in the NANOO op
         return self.record("/".join(context.module.path), lhs, rhs, variables, out, formats)
@@ -242,8 +244,7 @@ def _plain_linen_op(block: _Bypass, next_fun, args, kwargs, context):
 
 
 def _loss(loss_fn, params, batch):
-    out = loss_fn(params, batch, None)
-    return (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
+    return _loss_only(loss_fn(params, batch, None))
 
 
 def capture(state: TrainState, batch: PyTree, loss_fn) -> tuple[dict, dict]:

@@ -87,6 +87,16 @@ def _check_model(model) -> None:
                          "jaxamp.TrainState.create and jaxamp.train_step")
 
 
+def _check_call(model, opt, loss_fn) -> None:
+    """The arguments of `train_step` and the diagnostics: an NNX model, its `jaxamp.nnx.Optimizer`, a function."""
+    _check_model(model)
+    if not isinstance(opt, Optimizer):
+        raise ValueError(f"opt must be a jaxamp.nnx.Optimizer(model, tx, policy=..., loss_scale=...), got "
+                         f"{type(opt).__name__}")
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a function loss_fn(model, batch), got {type(loss_fn).__name__}")
+
+
 class Optimizer(nnx.Pytree):
     """The optax state, the loss scale and the step counter of an NNX model's mixed-precision training.
 
@@ -434,12 +444,7 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
         another structure or other shapes (a model of the same structure and shapes is taken: the way to load a
         restored optimizer), `loss_fn` changed the model's structure, or any error of `jaxamp.train_step`.
     """
-    _check_model(model)
-    if not isinstance(opt, Optimizer):
-        raise ValueError(f"opt must be a jaxamp.nnx.Optimizer(model, tx, policy=..., loss_scale=...), got "
-                         f"{type(opt).__name__}")
-    if not callable(loss_fn):
-        raise ValueError(f"loss_fn must be a function loss_fn(model, batch), got {type(loss_fn).__name__}")
+    _check_call(model, opt, loss_fn)
     structure, variables, arrays = _arrays_of((model, opt))
     new_arrays, metrics = _JITTED[bool(donate)](structure, arrays, batch, loss_fn, accum_steps, on_overflow,
                                                 max_retries, underflow_stats)
@@ -459,11 +464,8 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
 
 
 def _split(model, opt: Optimizer):
-    """`(graphdef, state, fp8, rest)`: the `TrainState` of `opt` and `model`, and what the functional loss needs."""
-    _check_model(model)
-    if not isinstance(opt, Optimizer):
-        raise ValueError(f"opt must be a jaxamp.nnx.Optimizer(model, tx, policy=..., loss_scale=...), got "
-                         f"{type(opt).__name__}")
+    """`(graphdef, trained, state, fp8, rest)`: the model's graph, the filter of the trained variables, the
+    `TrainState` of `opt` and `model`, and the FP8 and other variables the functional loss merges back."""
     trained = _trained(opt.wrt)
     graphdef, _, fp8, rest = nnx.split(model, trained, _FP8, ...)
     return graphdef, trained, opt.train_state(model), _pure(fp8), _pure(rest)
@@ -502,8 +504,7 @@ def grad_fidelity(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Cal
     Raises:
       ValueError: `model` is not an NNX module or `opt` not a `jaxamp.nnx.Optimizer` built for it.
     """
-    if not callable(loss_fn):
-        raise ValueError(f"loss_fn must be a function loss_fn(model, batch), got {type(loss_fn).__name__}")
+    _check_call(model, opt, loss_fn)
     graphdef, trained, state, fp8, rest = _split(model, opt)
     check_options(loss_fn, accum_steps, caller="jaxamp.nnx.grad_fidelity")  # before jit: accum_steps is one of its static arguments
     return _fidelity(graphdef, trained, loss_fn, accum_steps, state, fp8, rest, batch)
@@ -524,6 +525,7 @@ def fp8_ranges(model: nnx.Module, opt: Optimizer, batch: PyTree,
     Raises:
       ValueError: the model has no `Fp8Meta` variables, or `loss_fn` calls no FP8 op; or as `grad_fidelity`.
     """
+    _check_call(model, opt, loss_fn)
     graphdef, trained, state, fp8, rest = _split(model, opt)
     if not fp8:
         raise ValueError("the model has no FP8 variables: build its layers with jaxamp.nnx.Fp8DotGeneral "
