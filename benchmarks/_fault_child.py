@@ -51,7 +51,7 @@ class _Counter:
 
 
 def _arm_step(spec: dict, counter: _Counter) -> None:
-    import jaxamp.train as train_mod
+    import jaxamp.lm.train as train_mod
 
     original = train_mod._Loop.step
 
@@ -117,7 +117,7 @@ def _arm_delete(spec: dict, counter: _Counter) -> None:
 def _arm_append(spec: dict, counter: _Counter) -> None:
     import io
 
-    import jaxamp.metrics_log as log_mod
+    import jaxamp.lm.metrics_log as log_mod
 
     original = log_mod.MetricsLogger.write
 

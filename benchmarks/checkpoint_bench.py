@@ -3,10 +3,10 @@
     python benchmarks/checkpoint_bench.py                  # reference TrainState + a 124M-parameter state, 3 reps
     python benchmarks/checkpoint_bench.py --tiny --out /tmp/checkpoint.md       # smoke test, a few seconds
 
-Two states, both a real `jaxamp.TrainState` with the reference optimizer (`jaxamp.train.make_optimizer`: global-norm
+Two states, both a real `jaxamp.TrainState` with the reference optimizer (`jaxamp.lm.setup.make_optimizer`: global-norm
 clipping + AdamW via `inject_hyperparams`, float32 moments):
 
-  reference  `jaxamp.train.build(TrainConfig())`: the default LM (4 layers, width 128, ~0.8M parameters), after one
+  reference  `jaxamp.lm.setup.build(TrainConfig())`: the default LM (4 layers, width 128, ~0.8M parameters), after one
              training step (so the Adam moments are not all zero, which would compress unrealistically well);
   gpt2-small the same LM at GPT-2 small's size (12 layers, 12 heads, width 768, vocab 50304, seq 1024: ~124M
              parameters, ~1.5 GB with both Adam moments); params drawn normal(0, 0.02) and one AdamW update
@@ -50,10 +50,11 @@ import optax  # noqa: E402
 
 from jaxamp import NoOpLossScale, TrainState, get_policy  # noqa: E402
 from jaxamp.checkpoint import Checkpointer  # noqa: E402
-from jaxamp.cli import check_output, write_report  # noqa: E402
-from jaxamp.data import batch_at  # noqa: E402
-from jaxamp.model import TransformerConfig, TransformerLM, count_params  # noqa: E402
-from jaxamp.train import TrainConfig, build, make_optimizer  # noqa: E402
+from jaxamp.lm.cli import check_output, write_report  # noqa: E402
+from jaxamp.lm.config import TrainConfig  # noqa: E402
+from jaxamp.lm.data import batch_at  # noqa: E402
+from jaxamp.lm.model import TransformerConfig, TransformerLM, count_params  # noqa: E402
+from jaxamp.lm.setup import build, make_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "checkpoint.md"

@@ -15,7 +15,7 @@ What it measures, all in one process:
    initial weights (their losses and gradients are compared first). Two more Flax rows for context: stock
    `nn.LayerNorm` (one-pass variance, `E[x^2] - E[x]^2`), and that with the tanh GELU (the baseline of issue 14).
    Interleaved rounds (`benchmarks.nanogpt_compare.interleaved`); medians, and the per-round paired ratios.
-2. The full fp32 training step (`jaxamp.train.build(TrainConfig(precision="fp32")).step_fn`: AdamW, clipping,
+2. The full fp32 training step (`jaxamp.lm.setup.build(TrainConfig(precision="fp32")).step_fn`: AdamW, clipping,
    metrics) against nanoGPT's step in eager PyTorch (`benchmarks.nanogpt_compare.time_throughput`, same batches),
    or the "PyTorch not installed" line.
 3. Exact-GELU forms (`--gelu-points`, 0 = skip): ulp distance of cheaper forms from `nn.gelu(approximate=False)` and
@@ -47,10 +47,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import nanogpt_compare as ngc  # noqa: E402
-from jaxamp.cli import check_output, check_sizes  # noqa: E402
-from jaxamp.data import DataError, batch_at  # noqa: E402
-from jaxamp.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
-from jaxamp.train import ConfigError, TrainConfig, build  # noqa: E402
+from jaxamp.lm.cli import check_output, check_sizes  # noqa: E402
+from jaxamp.lm.config import ConfigError, TrainConfig  # noqa: E402
+from jaxamp.lm.data import DataError, batch_at  # noqa: E402
+from jaxamp.lm.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
+from jaxamp.lm.setup import build
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "cpu_step.md"
@@ -65,7 +66,7 @@ FLAX_ROWS = {
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Plain Flax GPT: the same computation as jaxamp.model.TransformerLM in fp32, from stock linen modules. Module names
+# Plain Flax GPT: the same computation as jaxamp.lm.model.TransformerLM in fp32, from stock linen modules. Module names
 # follow TransformerLM's, so the parameter trees are identical.
 
 
@@ -317,7 +318,10 @@ def hlo_ops(text: str) -> dict:
 
 def profile_step(run, batches: list, steps: int) -> dict:
     """Traces `steps` jaxamp training steps; ms per step by kind of work (median per op over the steps)."""
-    import glob, gzip, json, tempfile  # noqa: E401  pylint: disable=import-outside-toplevel,multiple-imports
+    import glob  # noqa: E401  pylint: disable=import-outside-toplevel,multiple-imports
+    import gzip
+    import json
+    import tempfile
 
     state = ngc._copy(run.state)  # pylint: disable=protected-access
     ops = hlo_ops(run.step_fn.lower(state, batches[0]).compile().as_text())

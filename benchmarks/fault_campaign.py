@@ -79,14 +79,14 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import numpy as np  # noqa: E402
 
-from jaxamp.cli import check_output, check_sizes, write_report  # noqa: E402
+from jaxamp.lm.cli import check_output, check_sizes, write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "experiments" / "train_lm.py"
@@ -248,7 +248,7 @@ def _strip(record: dict, fields: tuple[str, ...]) -> dict:
 
 
 def _read_records(workdir: Path) -> list[dict]:
-    from jaxamp.metrics_log import read_metrics
+    from jaxamp.lm.metrics_log import read_metrics
 
     try:
         return read_metrics(workdir / "metrics.jsonl")
@@ -256,7 +256,7 @@ def _read_records(workdir: Path) -> list[dict]:
         return []
 
 
-def _read_summary(workdir: Path) -> dict | None:
+def read_summary(workdir: Path) -> dict | None:
     try:
         summary = json.loads((workdir / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -296,7 +296,7 @@ def compare(ref: Reference, workdir: Path, abstract) -> dict:
            "extra": len(set(steps) - set(ref_by_step))}
     out["records_equal"] = (steps == [r["step"] for r in ref.records]
                             and [ours[s] for s in steps] == [ref_by_step[s] for s in steps])
-    summary = _read_summary(workdir)
+    summary = read_summary(workdir)
     out["summary_equal"] = summary is not None and (json.dumps(_strip(summary, WALL_CLOCK_SUMMARY_FIELDS))
                                                     == json.dumps(_strip(ref.summary, WALL_CLOCK_SUMMARY_FIELDS)))
     try:
@@ -462,7 +462,7 @@ class Campaign:
         return self.finish(t, self.start(t, role, failpoint))
 
     def finished(self, workdir: Path) -> bool:
-        summary = _read_summary(workdir)
+        summary = read_summary(workdir)
         return bool(summary) and summary.get("steps") == self.n and summary.get("stopped_by") is None
 
     def resume(self, t: Trial) -> None:
@@ -775,7 +775,7 @@ def reference(c: Campaign) -> Reference:
     sys.path.insert(0, str(SCRIPT.parent))
     import train_lm
 
-    from jaxamp.train import build
+    from jaxamp.lm.setup import build
 
     cfg = train_lm.parse_args([*c.base, "--workdir", str(c.tmp / "unused")])
     c.abstract = jax.eval_shape(lambda: build(cfg).state)
@@ -784,7 +784,7 @@ def reference(c: Campaign) -> Reference:
     _, launch_s = clean_run(c, second)
     c.durations = [launch_s]
     _, leaves = final_leaves(first, c.abstract)
-    ref = Reference(_read_records(first), _read_summary(first), leaves, launch_s)
+    ref = Reference(_read_records(first), read_summary(first), leaves, launch_s)
     check = compare(ref, second, c.abstract)
     if not check["bitwise"]:
         raise RuntimeError(f"two clean runs differ ({check}): the run is not reproducible, so no resume can be "

@@ -36,12 +36,12 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxamp.layers  # noqa: E402
-import jaxamp.model  # noqa: E402
+import jaxamp.lm.model  # noqa: E402
 from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy  # noqa: E402
-from jaxamp.cli import write_report  # noqa: E402
-from jaxamp.data import CharDataset, batch_at, load_text  # noqa: E402
 from jaxamp.fidelity import gradient_pair  # noqa: E402
-from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, cross_entropy_loss  # noqa: E402
+from jaxamp.lm.cli import write_report  # noqa: E402
+from jaxamp.lm.data import CharDataset, batch_at, load_text  # noqa: E402
+from jaxamp.lm.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, cross_entropy_loss  # noqa: E402
 from jaxamp.precision import leaf_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def before_fix():
         stack.enter_context(mock.patch.object(jaxamp.layers, "embed_lookup", _naive_lookup))
         stack.enter_context(mock.patch.object(jaxamp.layers, "attend", _naive_attend))
         stack.enter_context(mock.patch.object(jaxamp.layers, "add_bias", _naive_add))
-        stack.enter_context(mock.patch.object(jaxamp.model, "add_bias", _naive_add))
+        stack.enter_context(mock.patch.object(jaxamp.lm.model, "add_bias", _naive_add))
         yield
 
 

@@ -5,7 +5,7 @@ the compiled step's temporary memory, its time, and how far its loss and gradien
     python benchmarks/fused_loss.py --tiny --out /tmp/fused.md   # a test: vocab 2048, width 32, 4 x 64 tokens
 
 Each row compiles `jax.value_and_grad` of the LM's mean loss (`TransformerLM(tokens, targets)`) over the bf16
-compute copy of the same float32 weights (`jaxamp.train.make_policy("bf16")`: the embedding tables stay float32),
+compute copy of the same float32 weights (`jaxamp.lm.setup.make_policy("bf16")`: the embedding tables stay float32),
 reads `memory_analysis()` of the compiled function, then times `--steps` calls after one warm-up (median). Gradient
 errors are relative L2 norms per parameter leaf, `|g - r| / |r|`, worst leaf shown (the measure of
 `jaxamp.fidelity.grad_fidelity`): against the `loss_chunk=0` row of the same bf16 copy, and against float32 (the
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxamp.model import TransformerConfig, TransformerLM  # noqa: E402
-from jaxamp.train import make_policy  # noqa: E402
+from jaxamp.lm.model import TransformerConfig, TransformerLM  # noqa: E402
+from jaxamp.lm.setup import make_policy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "fused_loss.md"

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_throughput as gt  # noqa: E402  (puts the repo on sys.path too)
 
-from jaxamp.cli import command_line  # noqa: E402
+from jaxamp.lm.cli import command_line  # noqa: E402
 
 KINDS = (  # (kind, substrings of a kernel name, lower case); the first match wins
     ("cuDNN attention", ("fmha", "cudnn", "flash", "sdpa")),

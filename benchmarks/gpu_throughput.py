@@ -20,9 +20,10 @@ with global-norm clipping, as a user writes it):
 For each: the step is lowered and compiled ahead of time (`jax.jit(step).lower(state, batch).compile()`, whose
 `memory_analysis()` gives the argument, output, temp and aliased bytes; the later jitted calls hit the same cache),
 then `--warmup` untimed steps and `--steps` timed steps, each followed by `block_until_ready`. `--model` picks the
-size from the experiment's presets (`jaxamp.presets`, default gpt2-124m). The batch is one fixed batch of random
+size from the experiment's presets (`jaxamp.lm.presets`, default gpt2-124m). The batch is one fixed batch of random
 tokens; with `--data DIR` (nanoGPT's train.bin/val.bin) it is real tokens instead: the batches of steps 0, 1, ...
-of `jaxamp.data.batch_at(train.bin, seed=0)`, all put on the device before timing, with the vocabulary of the data. Reported: median step
+of `jaxamp.lm.data.batch_at(train.bin, seed=0)`, all put on the device before timing, with the vocabulary of the
+data. Reported: median step
 time, tokens/s, MFU = tokens/s * (6 N + 12 L H Q T) / peak (nanoGPT's estimate; N = parameters without the
 position embedding) against the device's dense peak for that precision, and `memory_stats()["peak_bytes_in_use"]`.
 
@@ -53,8 +54,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from jaxamp.cli import command_line  # noqa: E402
-from jaxamp.presets import MODEL_PRESETS, PRESET_FIELDS  # noqa: E402  (imports jax, starts no backend)
+from jaxamp.lm.cli import command_line  # noqa: E402
+from jaxamp.lm.presets import MODEL_PRESETS, PRESET_FIELDS  # noqa: E402  (imports jax, starts no backend)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_throughput.md"
@@ -121,9 +122,9 @@ def build(name: str, size: dict):
     import optax
 
     from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, train_step
-    from jaxamp.model import TransformerConfig, TransformerLM, count_params
+    from jaxamp.lm.model import TransformerConfig, TransformerLM, count_params
+    from jaxamp.lm.setup import lm_variables, make_policy
     from jaxamp.precision import uses_fp8
-    from jaxamp.train import lm_variables, make_policy
 
     policy_name, dynamic, _, _, loss_chunk = PRECISIONS[name]
     policy = make_policy(policy_name)  # the experiment's: embedding tables float32 in the compute copy
@@ -156,8 +157,8 @@ def data_batches(size: dict, n: int) -> list:
     """The training batches of steps 0 .. n-1 from `size["data"]`'s train.bin (seed 0), on the default device."""
     import jax
 
-    from jaxamp.data import batch_at
-    from jaxamp.token_files import open_token_dir
+    from jaxamp.lm.data import batch_at
+    from jaxamp.lm.token_files import open_token_dir
 
     d = open_token_dir(size["data"], vocab_size=size["vocab"], seq_len=size["seq_len"])
     return [jax.device_put(batch_at(d.train, seed=0, step=i, batch_size=size["batch_size"], seq_len=size["seq_len"],
@@ -273,7 +274,8 @@ def report(args, size: dict, results: dict, argv=None) -> str:
         "other devices. Custom calls: cuDNN fused attention, FP8 GEMMs, all cuBLAS GEMMs in the compiled step.",
     ]
     if first.get("platform") == "cpu":
-        lines.append("- CPU timings on a shared 2-core machine with other jobs running; XLA:CPU upcasts float16/bfloat16 "
+        lines.append("- CPU timings on a shared 2-core machine with other jobs running; XLA:CPU upcasts "
+                     "float16/bfloat16 "
                      "dots to float32, so these figures test the script, not the precisions.")
     lines += [
         "",
@@ -354,8 +356,8 @@ def parse_args(argv=None):
     if args.steps < 1 or args.warmup < 0 or (args.batch_size is not None and args.batch_size < 1):
         p.error("--steps and --batch-size must be >= 1, --warmup >= 0")
     if args.data is not None:
-        from jaxamp.data import DataError
-        from jaxamp.token_files import open_token_dir
+        from jaxamp.lm.data import DataError
+        from jaxamp.lm.token_files import open_token_dir
 
         try:  # checked now, not after a compile
             opened = open_token_dir(args.data, vocab_size=None, seq_len=_size(args, data=False)["seq_len"])

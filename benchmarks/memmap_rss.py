@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from jaxamp.cli import check_output, check_sizes, write_report  # noqa: E402
+from jaxamp.lm.cli import check_output, check_sizes, write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "memmap_rss.md"
@@ -75,8 +75,8 @@ def child(directory: Path, steps: int, batch_size: int, seq_len: int, eval_batch
 def _one_reader(directory: Path, reader: str, steps: int, batch_size: int, seq_len: int, eval_batches_n: int):
     import numpy as np
 
-    from jaxamp.data import batch_at, eval_batches
-    from jaxamp.token_files import open_token_dir
+    from jaxamp.lm.data import batch_at, eval_batches
+    from jaxamp.lm.token_files import open_token_dir
 
     before = _status_kib("VmRSS")
     try:

@@ -7,7 +7,7 @@ reference run's validation loss against nanoGPT's published CPU figure (val loss
 
 What it measures:
 
-1. Training throughput, fp32, on the same batches (`jaxamp.data.batch_at`, seed 1337): jaxamp's
+1. Training throughput, fp32, on the same batches (`jaxamp.lm.data.batch_at`, seed 1337): jaxamp's
    `build(TrainConfig(precision="fp32")).step_fn` (jitted, state donated; one `block_until_ready` per timed window)
    and a compact, faithful copy of nanoGPT's `model.py` / `train.py` step in eager PyTorch (`--compile=False`):
    forward + loss, backward, `clip_grad_norm_(1.0)`, `AdamW.step`, `zero_grad(set_to_none=True)`, with
@@ -50,10 +50,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxamp.cli import check_output, check_sizes  # noqa: E402
-from jaxamp.data import DataError, batch_at, eval_batches  # noqa: E402
-from jaxamp.model import count_params  # noqa: E402
-from jaxamp.train import ConfigError, TrainConfig, build  # noqa: E402
+from jaxamp.lm.cli import check_output, check_sizes  # noqa: E402
+from jaxamp.lm.config import ConfigError, TrainConfig  # noqa: E402
+from jaxamp.lm.data import DataError, batch_at, eval_batches  # noqa: E402
+from jaxamp.lm.model import count_params  # noqa: E402
+from jaxamp.lm.setup import build
 
 try:  # optional: PyTorch is not a jaxamp dependency
     import torch

@@ -41,12 +41,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import overhead  # noqa: E402  (benchmarks/overhead.py: variant (a), machine and command lines)
 from flax import nnx  # noqa: E402
 
-import overhead  # noqa: E402  (benchmarks/overhead.py: variant (a), machine and command lines)
 from jaxamp import DynamicLossScale, get_policy  # noqa: E402
-from jaxamp.cli import check_output, check_sizes, command_line  # noqa: E402
-from jaxamp.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
+from jaxamp.lm.cli import check_output, check_sizes, command_line  # noqa: E402
+from jaxamp.lm.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
 from jaxamp.nnx import Optimizer, train_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,7 +209,8 @@ def report(args, res, argv=None) -> str:
                      f"{mid:.3f}x ({lo:.3f}-{hi:.3f}) |")
     lines += [
         "",
-        f"XLA's cost model of the lowered step (before optimization): (a) {ca['bytes'] / 1e6:.1f} MB accessed, {ca['flops'] / 1e9:.3f} "
+        f"XLA's cost model of the lowered step (before optimization): (a) {ca['bytes'] / 1e6:.1f} MB accessed, "
+        f"{ca['flops'] / 1e9:.3f} "
         f"GFLOP; the NNX step (f) {cn['bytes'] / 1e6:.1f} MB, {cn['flops'] / 1e9:.3f} GFLOP "
         f"({cn['bytes'] / ca['bytes']:.3f}x, {cn['flops'] / ca['flops']:.3f}x): the same program. (g) and (h) run "
         "it as well. Overflowed (skipped) steps: "

@@ -46,8 +46,8 @@ import optax  # noqa: E402
 from flax.training.dynamic_scale import DynamicScale  # noqa: E402
 
 from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step  # noqa: E402
-from jaxamp.cli import check_output, check_sizes, command_line  # noqa: E402
-from jaxamp.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
+from jaxamp.lm.cli import check_output, check_sizes, command_line  # noqa: E402
+from jaxamp.lm.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "overhead.md"
@@ -87,7 +87,7 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 # runs one step; every factory call builds fresh closures, so its traces and compiles are its own.
 
 def make_loss_fn(model):
-    """`loss_fn(params, (inputs, targets), rng)` as `jaxamp.train.make_loss_fn` writes it (dropout is 0 here).
+    """`loss_fn(params, (inputs, targets), rng)` as `jaxamp.lm.setup.make_loss_fn` writes it (dropout is 0 here).
 
     Written out so the benchmark does not import the training loop (data, checkpointing, tqdm).
     """
@@ -273,7 +273,8 @@ def run(args) -> dict:
         _check_flax_defaults(model, params, batches, flax_default_traces)
 
     median = {n: statistics.median(per_round[n]) for n in names}
-    return dict(cost=cost, machine=machine, cfg=cfg, n_params=count_params(params), per_round=per_round, median=median, first_call=first_call,
+    return dict(cost=cost, machine=machine, cfg=cfg, n_params=count_params(params), per_round=per_round, median=median,
+                first_call=first_call,
                 secs=secs, traces=traces_in_run, compiles=compiles_in_run, total_steps=total_steps, skipped=skipped,
                 flax_default_traces=None if flax_default_traces is None else flax_default_traces[0])
 

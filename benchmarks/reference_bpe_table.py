@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from jaxamp.cli import write_report  # noqa: E402
+from jaxamp.lm.cli import write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CHAR_TABLE = REPO / "benchmarks" / "results" / "reference_run.md"  # written by reference_table.py

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from jaxamp.cli import write_report  # noqa: E402
+from jaxamp.lm.cli import write_report  # noqa: E402
 
 NANOGPT_VAL = 1.88  # nanoGPT README, shakespeare_char CPU recipe
 # The target as restated in the fidelity issue: inside nanoGPT's own seed spread for the recipe (its printed val

@@ -5,8 +5,9 @@
         --out /tmp/scaling.md                             # smoke test
 
 Each configuration runs in its own process (the device count is fixed when JAX starts; fake CPU devices come from
-XLA_FLAGS=--xla_force_host_platform_device_count=N): `jaxamp.train.build` with `mesh=...`, the global batch of each
-step built by `jaxamp.train.train_batch` (as the training loop does), the jitted, state-donating step. The global batch
+XLA_FLAGS=--xla_force_host_platform_device_count=N): `jaxamp.lm.setup.build` with `mesh=...`, the global batch of each
+step built by `jaxamp.lm.setup.train_batch` (as the training loop does), the jitted, state-donating step. The global
+batch
 is fixed (48 sequences of 64 tokens by default, divisible by 1, 2, 4 and 8), so every row does the same work and
 the tokens per step are the same for every device count (strong scaling). Configurations are run round-robin for
 `--rounds` rounds; the table gives the median over rounds of each round's steady-state tokens/s (`--steps` steps
@@ -35,8 +36,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from jaxamp.cli import check_output, check_sizes, write_report  # noqa: E402
+from jaxamp.lm.cli import check_output, check_sizes, write_report  # noqa: E402
 from jaxamp.precision import get_policy  # noqa: E402
+
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "scaling.md"
 # (label, devices, --mesh or None for the plain single-device path)
 CONFIGS = [
@@ -81,7 +83,8 @@ def child(args) -> dict:
     devices, mesh = int(args.child[0]), (None if args.child[1] == "none" else args.child[1])
     import jax  # pylint: disable=import-outside-toplevel
 
-    from jaxamp.train import TrainConfig, build, train_batch  # pylint: disable=import-outside-toplevel
+    from jaxamp.lm.config import TrainConfig  # pylint: disable=import-outside-toplevel
+    from jaxamp.lm.setup import build, train_batch
 
     assert jax.device_count() == devices, (jax.device_count(), devices)
     cfg = TrainConfig(layers=args.layers, heads=args.heads, width=args.width, seq_len=args.seq_len,
@@ -149,7 +152,7 @@ def report(args, argv, machine: str, results: dict, wall_s: float) -> str:
         f"{args.batch_size}** ({tokens:,} tokens/step, the same for every device count: strong scaling)",
         f"- protocol: one process per configuration (XLA_FLAGS=--xla_force_host_platform_device_count=N), "
         f"{args.rounds} round(s) round-robin; per round {args.warmup} untimed steps (the first compiles), then "
-        f"{args.steps} timed steps (dispatch all, block once); batches built per step by `jaxamp.train.train_batch`",
+        f"{args.steps} timed steps (dispatch all, block once); batches built per step by `jaxamp.lm.setup.train_batch`",
         "",
         "**These are not speed-ups to expect on accelerators.** The fake devices are threads of one process on a "
         "shared 2-core machine (other jobs were running: see the load averages). A gain from 1 to 2 devices can come "
@@ -225,7 +228,7 @@ def main(argv=None) -> int:
         for label, devices, mesh in order:
             proc = subprocess.run(_child_argv(args, devices, mesh), env=_env(devices), cwd=REPO, capture_output=True,
                                   text=True, timeout=1800)
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
                 raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
             results[label].append(json.loads(lines[-1][len("RESULT "):]))

@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.batches < 1:
         p.error("--batches must be >= 1")
     if args.out is not None:
-        from jaxamp.cli import check_output  # pylint: disable=import-outside-toplevel
+        from jaxamp.lm.cli import check_output  # pylint: disable=import-outside-toplevel
 
         check_output(p, "--out", args.out)
     return args
@@ -55,7 +55,7 @@ def _saved_config(ckpt_dir: Path) -> dict:
     """The run config stored with the newest checkpoint whose config item reads back (JSON only, no arrays)."""
     import orbax.checkpoint as ocp
 
-    from jaxamp.checkpoint import CheckpointError, Checkpointer
+    from jaxamp.checkpoint import Checkpointer, CheckpointError
 
     steps = Checkpointer(ckpt_dir).steps()
     if not steps:
@@ -77,11 +77,12 @@ def _saved_config(ckpt_dir: Path) -> dict:
 
 
 def load(args: argparse.Namespace):
-    """`(run, state, source)`: the built run (`jaxamp.train.build`), the state to inspect and where it came from."""
+    """`(run, state, source)`: the built run (`jaxamp.lm.setup.build`), the state to inspect and where it came from."""
     import jax
 
     from jaxamp.checkpoint import Checkpointer
-    from jaxamp.train import TrainConfig, build
+    from jaxamp.lm.config import TrainConfig
+    from jaxamp.lm.setup import build
 
     sizes = {"layers": args.layers, "heads": args.heads, "width": args.width, "seq_len": args.seq_len,
              "seed": args.seed, "data": args.data, "batch_size": args.batch_size, "bias": args.bias}
@@ -108,8 +109,8 @@ def load(args: argparse.Namespace):
 
 def report_text(run, report, recommendation, source: str, num_batches: int) -> str:
     from jaxamp.diagnostics import format_activation_table
-    from jaxamp.model import count_params
-    from jaxamp.state import split_fp8
+    from jaxamp.fp8_collection import split_fp8
+    from jaxamp.lm.model import count_params
 
     cfg = run.cfg
     name, reason = recommendation
@@ -131,7 +132,7 @@ def report_text(run, report, recommendation, source: str, num_batches: int) -> s
 def fp8_text(run, state) -> str:
     """The FP8 ops' tensors of the first validation batch against their delayed scales (`fp8_ranges`)."""
     from jaxamp.fp8_report import format_fp8_table, fp8_ranges
-    from jaxamp.train import make_loss_fn
+    from jaxamp.lm.setup import make_loss_fn
 
     rows = fp8_ranges(state, run.val_batches[0], make_loss_fn(run.model))
     return ("\n## FP8 tensors against their current scales (first validation batch)\n\n"
@@ -142,10 +143,10 @@ def fp8_text(run, state) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jaxamp.checkpoint import CheckpointError
-    from jaxamp.data import DataError
     from jaxamp.diagnostics import activation_ranges, recommend_policy
-    from jaxamp.state import FP8_COLLECTION
-    from jaxamp.train import ConfigError
+    from jaxamp.fp8_collection import FP8_COLLECTION
+    from jaxamp.lm.config import ConfigError
+    from jaxamp.lm.data import DataError
 
     try:
         run, state, source = load(args)

@@ -7,7 +7,8 @@
 The check of Micikevicius et al., *Mixed Precision Training* (ICLR 2018), Figure 3: the gradients of a few batches
 are computed in float32 (the reference) and with float16 compute, once without scaling and once with the loss scale
 (`--loss-scale`, default 2^15, `DynamicLossScale`'s initial value; with growth every 2000 finite steps, the
-reference run holds it until its last step, where it grows to 2^16). The histogram of the float32 gradient magnitudes (log2 bins) is drawn over float16's flush-to-zero,
+reference run holds it until its last step, where it grows to 2^16). The histogram of the float32 gradient
+magnitudes (log2 bins) is drawn over float16's flush-to-zero,
 subnormal, normal and overflow ranges, and the share of nonzero float32 gradient elements that are exactly zero in
 float16 is reported, for the activation gradients (the cotangents of every leaf layer's output: Figure 3's quantity)
 and for the parameter gradients. Both at initialisation and after `--train-steps` float32 training steps (the
@@ -55,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--train-steps must be >= 0 and --batches >= 1")
     if not (math.isfinite(args.loss_scale) and 0 < args.loss_scale <= FLOAT32_MAX):
         p.error(f"--loss-scale must be finite, > 0 and <= float32's maximum {FLOAT32_MAX:.4g}, got {args.loss_scale}")
-    from jaxamp.cli import check_output  # pylint: disable=import-outside-toplevel
+    from jaxamp.lm.cli import check_output  # pylint: disable=import-outside-toplevel
 
     check_output(p, "--out-dir", args.out_dir, directory=True)
     return args
@@ -65,10 +66,11 @@ def measure(args: argparse.Namespace) -> dict:
     """`{"config", "points": [(label, step, {"params": stats, "activations": stats}), ...], "seconds"}`."""
     import jax
 
-    from jaxamp.data import batch_at
     from jaxamp.diagnostics import gradient_underflow
-    from jaxamp.model import count_params
-    from jaxamp.train import TrainConfig, build, make_loss_fn
+    from jaxamp.lm.config import TrainConfig
+    from jaxamp.lm.data import batch_at
+    from jaxamp.lm.model import count_params
+    from jaxamp.lm.setup import build, make_loss_fn
 
     t0 = time.perf_counter()
     cfg = TrainConfig(data=args.data, precision="fp32", layers=args.layers, heads=args.heads, width=args.width,
@@ -219,8 +221,8 @@ def table(result: dict, args: argparse.Namespace, argv: list[str]) -> str:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from jaxamp.data import DataError
-    from jaxamp.train import ConfigError
+    from jaxamp.lm.config import ConfigError
+    from jaxamp.lm.data import DataError
 
     try:
         result = measure(args)

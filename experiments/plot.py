@@ -23,7 +23,7 @@ def main(argv=None) -> int:
                         help="one legend label per run (default: the summary's precision, else the directory name)")
     args = parser.parse_args(argv)
 
-    from jaxamp.plotting import PlotError, plot_runs
+    from jaxamp.lm.plotting import PlotError, plot_runs
 
     try:
         out = plot_runs(args.runs, args.out, labels=args.labels)

@@ -6,7 +6,7 @@
     python experiments/train_lm.py --data nanoGPT/data/openwebtext --model gpt2-124m --precision bf16
     python experiments/train_lm.py --mesh data=8 --batch-size 96                # 8 devices, data parallel
 
-Parses flags and delegates to `jaxamp.train.train`; every flag is a field of `jaxamp.train.TrainConfig`.
+Parses flags and delegates to `jaxamp.lm.train.train`; every flag is a field of `jaxamp.lm.config.TrainConfig`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 HELP = {
     "data": "UTF-8 text file, or a directory holding nanoGPT's train.bin and val.bin (uint16 token ids, read by "
             "memmap) and optionally meta.pkl (default: the Python standard library's own sources, no download)",
+    "data_format": "how --data is read: auto (a directory: tokens, anything else: text) | text (a UTF-8 file) | "
+                   "tokens (a directory of nanoGPT's train.bin/val.bin)",
     "tokenizer": "for a text file: char (one token per character) | bpe (byte-level BPE trained on the training "
                  "split with Hugging Face tokenizers, kept in WORKDIR/tokenizer; needs --vocab-size)",
     "vocab_size": "vocabulary size = embedding rows (bpe: the size to train, 256-65536; token files: default "
@@ -61,7 +63,9 @@ HELP = {
     "layers": "Transformer blocks", "heads": "attention heads", "width": "model width (channels)",
     "seq_len": "tokens per sequence", "batch_size": "sequences per step", "steps": "optimizer steps",
     "lr": "peak learning rate (linear warmup, then cosine decay)", "min_lr": "final learning rate (default lr/10)",
-    "bias": "biases in Dense and LayerNorm layers (nanoGPT's default: off)", "warmup_steps": "warmup steps", "decay_steps": "steps of warmup + cosine decay (default: --steps)", "weight_decay": "AdamW weight decay", "beta1": "Adam beta1",
+    "bias": "biases in Dense and LayerNorm layers (nanoGPT's default: off)", "warmup_steps": "warmup steps",
+    "decay_steps": "steps of warmup + cosine decay (default: --steps)", "weight_decay": "AdamW weight decay",
+    "beta1": "Adam beta1",
     "beta2": "Adam beta2", "grad_clip": "max global gradient norm, unscaled (0 = off)", "dropout": "dropout rate",
     "eval_every": "steps between validation losses", "eval_batches": "batches per validation loss",
     "log_every": "steps between metric fetches", "sample_tokens": "tokens sampled (and decoded) at the end",
@@ -89,8 +93,8 @@ HELP = {
 
 
 def parse_args(argv=None):
-    from jaxamp.presets import PRESET_FIELDS
-    from jaxamp.train import TrainConfig
+    from jaxamp.lm.config import TrainConfig
+    from jaxamp.lm.presets import PRESET_FIELDS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for field in dataclasses.fields(TrainConfig):
@@ -127,8 +131,11 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 def _run(argv) -> int:
     from jaxamp.checkpoint import CheckpointError
-    from jaxamp.data import DataError
-    from jaxamp.train import ConfigError, DivergenceError, WorkdirWriteError, train
+    from jaxamp.lm.config import ConfigError
+    from jaxamp.lm.data import DataError
+    from jaxamp.lm.stopping import DivergenceError
+    from jaxamp.lm.train import train
+    from jaxamp.lm.workdir import WorkdirWriteError
 
     cfg = parse_args(argv)
     try:

@@ -1,13 +1,7 @@
 """jaxamp: mixed-precision training for JAX (float16/bfloat16 compute, float32 master weights, loss scaling)."""
 
-from jaxamp.loss_scale import (
-    DynamicLossScale,
-    LossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    all_finite,
-    finite_leaves,
-)
+from jaxamp.finite import all_finite, finite_leaves
+from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp.precision import PRESETS, Policy, get_policy
 from jaxamp.state import TrainState
 from jaxamp.step import eval_step, train_step

@@ -77,9 +77,16 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from jaxamp.checkpoint_quiet import after_failed_save, quiet_library_failures, save_reason, short_error
-from jaxamp.checkpoint_record import (READABLE_FORMATS, config_digest, integrity_record, mismatch, seal_intact, sealed,
-                                      verify)
-from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from jaxamp.checkpoint_record import (
+    READABLE_FORMATS,
+    config_digest,
+    integrity_record,
+    mismatch,
+    seal_intact,
+    sealed,
+    verify,
+)
+from jaxamp.loss_scale import LossScale, from_description
 from jaxamp.state import TrainState
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointSaveError", "Checkpointer",
@@ -148,13 +155,10 @@ def loss_scale_from_record(record: dict) -> LossScale:
     Raises:
       CheckpointError: an unknown type.
     """
-    kinds = {"NoOpLossScale": NoOpLossScale, "StaticLossScale": StaticLossScale, "DynamicLossScale": DynamicLossScale}
-    kind, config = record.get("type"), record.get("config") or {}
-    if kind not in kinds:
-        raise CheckpointError(f"unknown loss scale type {kind!r} in a checkpoint record")
-    if kind == "DynamicLossScale":
-        return DynamicLossScale(config["min_loss_scale"], **config)
-    return StaticLossScale(1.0) if kind == "StaticLossScale" else NoOpLossScale()
+    try:
+        return from_description(record)
+    except ValueError as err:
+        raise CheckpointError(f"{err} in a checkpoint record") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -385,7 +389,7 @@ class Checkpointer:
                 self._manager.close()
                 self._manager = None
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp.loss_scale import describe
 from jaxamp.precision import policy_name
 from jaxamp.state import TrainState
 
@@ -76,8 +77,8 @@ def structure_string(tree) -> str:
 
 
 def loss_scale_record(loss_scale) -> dict:
-    config = loss_scale.config() if hasattr(loss_scale, "config") else {}
-    return {"type": type(loss_scale).__name__, "config": config}
+    """What the record holds of the loss scale (`jaxamp.loss_scale.describe`)."""
+    return describe(loss_scale)
 
 
 def allgather_json(obj) -> list:

@@ -14,7 +14,7 @@ Two tools, both run on the host after a few float32 (reference) forward or backw
 
 Rounding is round-to-nearest-even, as on every accelerator, so the thresholds here are exact, not approximate:
 
-| | largest finite | overflows to inf when \\|x\\| >= | smallest normal | smallest subnormal | flushes to 0 when \\|x\\| <= |
+| | largest finite | to inf when \\|x\\| >= | smallest normal | smallest subnormal | to 0 when \\|x\\| <= |
 | --- | --- | --- | --- | --- | --- |
 | float16 | 65504 | 65520 (max + half an ulp) | 2^-14 ~ 6.1e-5 | 2^-24 ~ 5.96e-8 | 2^-25 ~ 2.98e-8 |
 | bfloat16 | ~3.39e38 | (2 - 2^-8) 2^127 ~ 3.396e38 | 2^-126 ~ 1.18e-38 | 2^-133 ~ 9.2e-41 | 2^-134 ~ 4.6e-41 |
@@ -28,14 +28,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp.gradients import split_loss
 from jaxamp.precision import leaf_path
 
 PyTree = Any
@@ -222,7 +223,7 @@ def activation_ranges(model: nn.Module, params: PyTree, batches: Sequence, *, ap
     first, so the figures are what the values *would* be before any rounding to half precision.
 
     Args:
-      model: a flax linen module (e.g. `jaxamp.model.TransformerLM`).
+      model: a flax linen module (e.g. `jaxamp.lm.model.TransformerLM`).
       params: its `params` collection (or a full variables dict holding one).
       batches: a non-empty sequence of batches: `(inputs, targets)` pairs (jaxamp's LM batches) or model inputs.
       apply_kwargs: extra keyword arguments for `model.apply` (e.g. `{"deterministic": True}`).
@@ -242,7 +243,7 @@ def activation_ranges(model: nn.Module, params: PyTree, batches: Sequence, *, ap
       ValueError: `batches` is empty.
     """
     if not batches:
-        raise ValueError("batches is empty; pass at least one batch (e.g. jaxamp.data.eval_batches(...))")
+        raise ValueError("batches is empty; pass at least one batch (e.g. jaxamp.lm.data.eval_batches(...))")
     apply_kwargs = dict(apply_kwargs or {})
     variables = _cast_floats(_as_variables(params), jnp.float32)
     first = _inputs(batches[0])
@@ -413,10 +414,6 @@ def _flat_named(tree: PyTree) -> tuple[list[str], list]:
     return [leaf_path(p) for p, _ in flat], [x for _, x in flat]
 
 
-def _loss_only(out) -> jax.Array:
-    return (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
-
-
 @functools.partial(jax.jit, static_argnames=("loss_fn", "dtype"))
 def _scaled_grads(loss_fn, dtype, params, zeros, batch, scale, rng):
     """Gradients of `scale * loss_fn(params cast to dtype, batch, rng)` w.r.t. the params and the perturbations."""
@@ -424,7 +421,7 @@ def _scaled_grads(loss_fn, dtype, params, zeros, batch, scale, rng):
     def scaled_loss(p, z):
         with nn.intercept_methods(_CallRecorder(perturb=z)):
             compute = p if dtype == jnp.dtype(jnp.float32) else _cast_floats(p, dtype)
-            return _loss_only(loss_fn(compute, batch, rng)) * scale
+            return split_loss(loss_fn(compute, batch, rng))[0] * scale
 
     return jax.grad(scaled_loss, argnums=(0, 1))(params, zeros)
 
@@ -448,7 +445,7 @@ def gradient_underflow(loss_fn: Callable, params: PyTree, batches: Sequence, *, 
 
     Args:
       loss_fn: `loss_fn(params, batch, rng) -> f32[] loss` (or `(loss, aux)`), jaxamp's contract (e.g.
-        `jaxamp.train.make_loss_fn(model)`); it must be deterministic for `rng=None`.
+        `jaxamp.lm.setup.make_loss_fn(model)`); it must be deterministic for `rng=None`.
       params: float32 master params.
       batches: a list of batches (each as `loss_fn` takes it); statistics are summed over them.
       loss_scale: the scale of pass (c), e.g. `DynamicLossScale`'s initial 2**15.
@@ -461,7 +458,8 @@ def gradient_underflow(loss_fn: Callable, params: PyTree, batches: Sequence, *, 
       that are 0 in (b) / (c)), `predicted_flush_unscaled` / `_scaled` (fractions whose float32 value, times the
       scale, is <= the format's flush threshold, 2^-25 for float16 and 2^-134 for bfloat16, i.e. rounds to 0 by
       itself), `nonfinite_unscaled` / `_scaled` (fractions of all elements that are inf/NaN), `max_abs_reference`,
-      `max_safe_log2_scale` (largest k with max|g| * 2^k <= the format's max, 65504 for float16: the headroom), `log2_bins` (lower edges: bin i holds |g| in [2^bins[i], 2^(bins[i]+1))), `counts_reference` (nonzero
+      `max_safe_log2_scale` (largest k with max|g| * 2^k <= the format's max, 65504 for float16: the headroom),
+      `log2_bins` (lower edges: bin i holds |g| in [2^bins[i], 2^(bins[i]+1))), `counts_reference` (nonzero
       float32 gradients per bin), `counts_flushed_unscaled` / `_scaled` (of those, flushed in (b) / (c)) and
       `per_leaf` (per parameter / per module output: name, size, nonzero, flushed fractions).
 
@@ -484,7 +482,7 @@ def gradient_underflow(loss_fn: Callable, params: PyTree, batches: Sequence, *, 
 
     def probe(p, batch):
         with nn.intercept_methods(recorder):
-            return _loss_only(loss_fn(_cast_floats(p, compute_dtype), batch, rng))
+            return split_loss(loss_fn(_cast_floats(p, compute_dtype), batch, rng))[0]
 
     jax.eval_shape(probe, params, batches[0])
     sites = {k: r for k, r in recorder.records.items() if r["leaf"] and r["dtype"] == jnp.dtype(compute_dtype)}

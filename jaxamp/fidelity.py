@@ -16,13 +16,17 @@ import jax
 import jax.numpy as jnp
 import jmp
 
+from jaxamp.fp8_collection import split_fp8
 from jaxamp.fp8_report import fp8_bypassed
+from jaxamp.gradients import LossFn, gradients
 from jaxamp.loss_scale import NoOpLossScale
 from jaxamp.precision import leaf_path
-from jaxamp.state import TrainState, split_fp8
-from jaxamp.step import LossFn, _gradients, check_options
+from jaxamp.state import TrainState
+from jaxamp.step import check_options
 
 PyTree = Any
+
+__all__ = ["errors", "grad_fidelity", "gradient_pair", "worst"]
 _F32 = jmp.Policy(jnp.float32, jnp.float32, jnp.float32)
 
 
@@ -77,7 +81,7 @@ def gradient_pair(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
     """
     check_options(loss_fn, accum_steps, caller="grad_fidelity")
     rng = jax.random.fold_in(state.rng, state.step)
-    mixed = _gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, False, carry).grads
+    mixed = gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, False, carry).grads
     reference = state.replace(policy=_F32)
     if reference_loss_fn is not None:
         reference = reference.replace(params=split_fp8(state.params)[0])
@@ -86,7 +90,7 @@ def gradient_pair(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
     # Full float32 matmuls (not TF32 on a GPU). Also part of jit's cache key: a jitted function inside loss_fn is
     # traced again for the reference, so its FP8 ops are bypassed there, and its cached FP8 trace stays as it was.
     with jax.default_matmul_precision("highest"):
-        exact = _gradients(reference, batch, reference_loss_fn or loss_fn, NoOpLossScale(), rng, accum_steps,
+        exact = gradients(reference, batch, reference_loss_fn or loss_fn, NoOpLossScale(), rng, accum_steps,
                            False, carry).grads
     return mixed, exact
 

@@ -38,10 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import fp8_ops
 
-from jaxamp.diagnostics import FloatFormat, _loss_only
-from jaxamp.state import FP8_COLLECTION, TrainState, split_fp8
+from jaxamp.diagnostics import FloatFormat
+from jaxamp.fp8_collection import FP8_COLLECTION, split_fp8
+from jaxamp.gradients import split_loss
+from jaxamp.state import TrainState
 
 PyTree = Any
+
+__all__ = ["FP8_FORMATS", "active_recorder", "bypassed", "capture", "einsum_operands", "einsum_swaps",
+           "format_fp8_table", "fp8_bypassed", "fp8_ranges", "ranges_table", "record_nnx_op", "run_capture"]
 
 FP8_FORMATS: dict[str, FloatFormat] = {
     # e4m3fn has no inf: above 464 (halfway to 480, a tie that rounds to 448's even mantissa) a cast gives NaN.
@@ -244,7 +249,7 @@ def _plain_linen_op(block: _Bypass, next_fun, args, kwargs, context):
 
 
 def _loss(loss_fn, params, batch):
-    return _loss_only(loss_fn(params, batch, None))
+    return split_loss(loss_fn(params, batch, None))[0]
 
 
 def capture(state: TrainState, batch: PyTree, loss_fn) -> tuple[dict, dict]:
@@ -307,9 +312,9 @@ def fp8_ranges(state: TrainState, batch: PyTree, loss_fn) -> list[dict]:
     return ranges_table(*run_capture(jax.jit(capture, static_argnums=2), state, batch, loss_fn))
 
 
-_INNER = ("fp8_ranges cannot read an FP8 op that runs inside a transform of loss_fn (nn.scan, nn.remat, jax.checkpoint, "
-          "lax.cond, jax.jit: its values live in an inner trace); give fp8_ranges a loss_fn that calls the layers "
-          "directly")
+_INNER = ("fp8_ranges cannot read an FP8 op that runs inside a transform of loss_fn (nn.scan, nn.remat, "
+          "jax.checkpoint, lax.cond, jax.jit: its values live in an inner trace); give fp8_ranges a loss_fn that calls "
+          "the layers directly")
 
 
 def run_capture(jitted, *args):

@@ -13,6 +13,8 @@ from jaxamp.precision import leaf_path
 
 PyTree = Any
 
+__all__ = ["nonfinite_paths", "underflow_stats", "worst_leaves"]
+
 
 def underflow_stats(scaled_grads: PyTree) -> dict:
     """Underflow and headroom of the scaled gradients, in the dtype they were computed in (the compute dtype).

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -283,7 +284,7 @@ def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
     return _add_bias_n(bias.ndim)(y, bias)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _add_bias_n(ndim: int):
     """`_add_bias` for a bias of `ndim` trailing axes (the reduced axes are static)."""
 

@@ -23,36 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
+
+__all__ = ["DynamicLossScale", "LOSS_SCALES", "LossScale", "NoOpLossScale", "StaticLossScale", "describe",
+           "from_description"]
 _F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, ~1.2e-38
 _F32_MAX = float(np.finfo(np.float32).max)
-
-
-def finite_leaves(tree: PyTree) -> PyTree:
-    """Returns a tree of `bool[]`, one per leaf: True where every element of that leaf is finite.
-
-    Non-floating leaves (integers, booleans) count as finite. Used to name the overflowing parameters cheaply:
-    the flags stay on device, and paths are built on the host only when a step was skipped.
-    """
-
-    def leaf_ok(x):
-        x = jnp.asarray(x)
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
-            return jnp.ones((), jnp.bool_)
-        return jnp.all(jnp.isfinite(x))
-
-    return jax.tree.map(leaf_ok, tree)
-
-
-def all_finite(tree: PyTree) -> jax.Array:
-    """Returns `bool[]`: True when every floating element of every leaf of `tree` is finite (no inf, no NaN).
-
-    One reduction over all leaves: the single finite check that decides whether an update is applied (jmp.all_finite).
-    An empty tree is finite.
-    """
-    flags = jax.tree.leaves(finite_leaves(tree))
-    if not flags:
-        return jnp.ones((), jnp.bool_)
-    return jnp.all(jnp.stack(flags))
 
 
 def _unscale_leaf(x, loss_scale):
@@ -102,18 +77,29 @@ class LossScale:
         s = self.loss_scale
         return jax.tree.map(lambda x: _unscale_leaf(x, s), tree)
 
-    def adjust(self, grads_finite: jax.Array) -> "LossScale":
+    def adjust(self, grads_finite: jax.Array) -> LossScale:
         """Returns the loss scale for the next step, given whether this step's gradients were finite."""
         raise NotImplementedError
 
-    def backoff(self) -> "LossScale":
+    def backoff(self) -> LossScale:
         """The scale to retry an overflowed step with (`on_overflow="retry"`); fixed scales return themselves."""
         return self
 
-    def lowest(self) -> "LossScale":
+    def lowest(self) -> LossScale:
         """The lowest scale `backoff` can reach (`on_overflow="retry"` probes it: gradients that are not finite even
         there do not overflow because of the scale); fixed scales return themselves."""
         return self
+
+    def config(self) -> dict:
+        """The hyperparameters as a JSON-ready dict (for checkpoints and logs); {} for the fixed scales."""
+        return {}
+
+    @classmethod
+    def from_config(cls, config: dict) -> LossScale:
+        """A loss scale of this type with these hyperparameters (`config()`), its values placeholders: the shape of
+        a restore target, whose values come from the checkpoint."""
+        del config
+        return cls()
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -130,7 +116,7 @@ class NoOpLossScale(LossScale):
     def scale(self, tree: PyTree) -> PyTree:
         return tree
 
-    def adjust(self, grads_finite: jax.Array) -> "NoOpLossScale":
+    def adjust(self, grads_finite: jax.Array) -> NoOpLossScale:
         del grads_finite
         return self
 
@@ -165,9 +151,14 @@ class StaticLossScale(LossScale):
     def loss_scale(self) -> jax.Array:
         return self._loss_scale
 
-    def adjust(self, grads_finite: jax.Array) -> "StaticLossScale":
+    def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
         del grads_finite
         return self
+
+    @classmethod
+    def from_config(cls, config: dict) -> StaticLossScale:
+        del config
+        return cls(1.0)
 
     def tree_flatten_with_keys(self):
         return ((jax.tree_util.GetAttrKey("loss_scale"), self._loss_scale),), None
@@ -268,7 +259,7 @@ class DynamicLossScale(LossScale):
     def loss_scale(self) -> jax.Array:
         return self._loss_scale
 
-    def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
+    def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
         """Returns the next state (see the class docstring); `grads_finite` is a `bool[]`.
 
         Raises:
@@ -292,20 +283,20 @@ class DynamicLossScale(LossScale):
             overflow_counter=overflow_counter.astype(jnp.int32),
         )
 
-    def backoff(self) -> "DynamicLossScale":
+    def backoff(self) -> DynamicLossScale:
         """The scale times `backoff_factor` (floored at `min_loss_scale`), counters reset, hysteresis ignored: the
         scale to retry an overflowed step with inside the same `train_step` (`on_overflow="retry"`)."""
         zero = jnp.zeros((), jnp.int32)
         scale = jnp.maximum(self._loss_scale * self.backoff_factor, self.min_loss_scale).astype(jnp.float32)
         return self._with(loss_scale=scale, growth_counter=zero, overflow_counter=zero)
 
-    def lowest(self) -> "DynamicLossScale":
+    def lowest(self) -> DynamicLossScale:
         """The scale at `min_loss_scale`, counters reset: the floor `backoff` reaches."""
         zero = jnp.zeros((), jnp.int32)
         return self._with(loss_scale=jnp.full((), self.min_loss_scale, jnp.float32), growth_counter=zero,
                           overflow_counter=zero)
 
-    def _with(self, *, loss_scale, growth_counter, overflow_counter) -> "DynamicLossScale":
+    def _with(self, *, loss_scale, growth_counter, overflow_counter) -> DynamicLossScale:
         return DynamicLossScale.tree_unflatten(self._static(), (loss_scale, growth_counter, overflow_counter))
 
     def _static(self) -> tuple:
@@ -314,6 +305,10 @@ class DynamicLossScale(LossScale):
     def config(self) -> dict:
         """The hyperparameters as a JSON-ready dict (for checkpoints and logs)."""
         return dict(zip(_DYNAMIC_STATIC_FIELDS, self._static()))
+
+    @classmethod
+    def from_config(cls, config: dict) -> DynamicLossScale:
+        return cls(config["min_loss_scale"], **config)
 
     def tree_flatten_with_keys(self):
         key = jax.tree_util.GetAttrKey
@@ -338,6 +333,28 @@ class DynamicLossScale(LossScale):
                 f"overflow_counter={self.overflow_counter!r}, {fields})")
 
 
+# The registry: every loss-scale type by name, the one list of them (checkpoint records name the type).
+LOSS_SCALES: dict[str, type[LossScale]] = {cls.__name__: cls for cls in (NoOpLossScale, StaticLossScale,
+                                                                         DynamicLossScale)}
+
+
+def describe(loss_scale: LossScale) -> dict:
+    """`{"type": class name, "config": hyperparameters}`: what a checkpoint records of a loss scale."""
+    return {"type": type(loss_scale).__name__, "config": loss_scale.config()}
+
+
+def from_description(description: dict) -> LossScale:
+    """The loss scale `describe` wrote (its values placeholders: a restore target).
+
+    Raises:
+      ValueError: a type that is not in `LOSS_SCALES`.
+    """
+    kind = description.get("type")
+    if kind not in LOSS_SCALES:
+        raise ValueError(f"unknown loss scale type {kind!r}; known: {sorted(LOSS_SCALES)}")
+    return LOSS_SCALES[kind].from_config(description.get("config") or {})
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Flax serialization (`flax.serialization.to_state_dict`, `to_bytes`/`from_bytes` of a `TrainState`): the leaves by
 # name; the static hyperparameters come from the target, as they do for orbax restores.
@@ -359,5 +376,5 @@ def _from_state_dict(target: LossScale, state: dict) -> LossScale:
     return type(target).tree_unflatten(aux, values)
 
 
-for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
+for _cls in LOSS_SCALES.values():
     flax.serialization.register_serialization_state(_cls, _to_state_dict, _from_state_dict)

@@ -34,9 +34,9 @@ Diagnostics: `grad_fidelity(model, opt, batch, loss_fn)` and `fp8_ranges(model, 
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import flax.nnx as nnx
 import jax
@@ -46,10 +46,11 @@ import optax
 from flax.nnx.training.optimizer import OptArray, OptState, to_opt_state
 
 from jaxamp import fidelity, fp8_report
+from jaxamp.fp8_collection import FP8_COLLECTION, split_fp8
 from jaxamp.loss_scale import LossScale
 from jaxamp.nnx_fp8 import FP8_FILTER as _FP8
-from jaxamp.nnx_fp8 import Fp8DotGeneral, Fp8Einsum, Fp8Meta, _Fp8Op
-from jaxamp.state import FP8_COLLECTION, TrainState, split_fp8
+from jaxamp.nnx_fp8 import Fp8DotGeneral, Fp8Einsum, Fp8Meta, Fp8Op
+from jaxamp.state import TrainState
 from jaxamp.step import check_options, train_step_with_carry
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Meta", "Optimizer", "fp8_ranges", "grad_fidelity", "train_step"]
@@ -316,7 +317,7 @@ def _functional_loss(graphdef, loss_fn, trained, fp8_now: dict | None = None):
         recorder = fp8_report.active_recorder()
         if recorder is not None:
             recorder.names.update({id(node): "/".join(map(str, path)) for path, node in nnx.iter_graph(inner)
-                                   if isinstance(node, _Fp8Op)})
+                                   if isinstance(node, Fp8Op)})
         out = loss_fn(inner, batch)
         return out, _like(_pure(nnx.split(inner, trained, _FP8, ...)[3]), carry)
 
@@ -506,7 +507,8 @@ def grad_fidelity(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Cal
     """
     _check_call(model, opt, loss_fn)
     graphdef, trained, state, fp8, rest = _split(model, opt)
-    check_options(loss_fn, accum_steps, caller="jaxamp.nnx.grad_fidelity")  # before jit: accum_steps is one of its static arguments
+    # before jit: accum_steps is one of its static arguments
+    check_options(loss_fn, accum_steps, caller="jaxamp.nnx.grad_fidelity")
     return _fidelity(graphdef, trained, loss_fn, accum_steps, state, fp8, rest, batch)
 
 

@@ -29,7 +29,7 @@ from flax.linen import fp8_ops
 from flax.nnx import variablelib
 
 from jaxamp import fp8_report
-from jaxamp.state import FP8_COLLECTION
+from jaxamp.fp8_collection import FP8_COLLECTION
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Meta"]
 
@@ -49,7 +49,7 @@ if FP8_COLLECTION not in variablelib.VariableTypeCache:
 FP8_FILTER = nnx.Any(Fp8Meta, variablelib.variable_type_from_name(FP8_COLLECTION))
 
 
-class _Fp8Op(nnx.Module):
+class Fp8Op(nnx.Module):
     """The FP8 state of one op (three tensors: input, kernel, output gradient) and its scaled dot_general."""
 
     def __init__(self, amax_history_length: int = 1024):
@@ -99,7 +99,7 @@ class _Fp8Op(nnx.Module):
         return fp8_report.record_nnx_op(self, lhs, rhs, out, eqn)
 
 
-class Fp8DotGeneral(_Fp8Op):
+class Fp8DotGeneral(Fp8Op):
     """Flax's `Fp8DirectDotGeneralOp` as an NNX module: a `dot_general` in FP8 with delayed per-tensor scaling.
 
     Inputs and kernels are quantized to e4m3 and output gradients to e5m2, each with a scale from its amax history
@@ -133,7 +133,7 @@ class Fp8DotGeneral(_Fp8Op):
         return self._run(lhs, rhs, lambda x, k, dot: dot(x, k, dimension_numbers))
 
 
-class Fp8Einsum(_Fp8Op):
+class Fp8Einsum(Fp8Op):
     """Flax's linen `Fp8Einsum` as an NNX module: an einsum of two operands (inputs, kernel) in FP8 with delayed
     per-tensor scaling, for `nnx.Einsum`'s `einsum_op` (attention projections with head axes, MoE experts):
 

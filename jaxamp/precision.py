@@ -25,6 +25,9 @@ import jmp
 
 PyTree = Any
 
+__all__ = ["PRESETS", "Policy", "auto_precision", "get_policy", "leaf_path", "needs_loss_scaling", "policy_name",
+           "uses_fp8"]
+
 
 def leaf_path(path) -> str:
     """A `tree_flatten_with_path` path as `"a/b/0"`, the form `keep_float32` and `trainable` patterns match."""

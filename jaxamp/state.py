@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.core
 import flax.struct
 import jax
 import jax.numpy as jnp
 import jmp
-import numpy as np
 import optax
 
+from jaxamp.fp8_collection import check_policy as _check_fp8_policy
+from jaxamp.fp8_collection import merge_fp8, split_fp8
 from jaxamp.loss_scale import LossScale
-from jaxamp.precision import get_policy, leaf_path, policy_name, uses_fp8
+from jaxamp.precision import get_policy, leaf_path
+from jaxamp.trainable import split_frozen, trainable_mask
 
 PyTree = Any
-# Flax's FP8 ops keep their scales and amax histories in this collection; the "gradient" of each is its new value.
-FP8_COLLECTION = "_overwrite_with_gradient"
+
+__all__ = ["TrainState"]
 
 
 def _raw_key(rng: jax.Array) -> jax.Array:
@@ -116,7 +119,7 @@ class TrainState:
         regular, fp8 = split_fp8(self.params)
         return merge_fp8(self.policy.cast_to_compute(regular), fp8)
 
-    def with_policy(self, policy: jmp.Policy | str, loss_scale: LossScale) -> "TrainState":
+    def with_policy(self, policy: jmp.Policy | str, loss_scale: LossScale) -> TrainState:
         """The same run (master weights, optimizer state, step, RNG) under another precision policy and loss scale.
 
         The way to switch precision mid-run, e.g. from fp16 to bf16 after repeated overflows, on resume or not: the
@@ -137,7 +140,7 @@ class TrainState:
                 f"the master weights are {old.name} but the new policy keeps them in {new.name}: the optimizer state "
                 f"was made for {old.name} weights; switch to a policy with {old.name} master weights (the presets "
                 f"fp32, bf16 and fp16 all keep float32), or start a new run from the weights")
-        _check_fp8(policy, self.params)
+        _check_fp8_policy(policy, self.params)
         _check_keep_float32(policy, split_fp8(self.params)[0])
         return self.replace(policy=policy, loss_scale=loss_scale)
 
@@ -151,7 +154,7 @@ class TrainState:
         loss_scale: LossScale,
         rng: jax.Array,
         trainable: PyTree | Callable[[tuple, jax.Array], bool] | None = None,
-    ) -> "TrainState":
+    ) -> TrainState:
         """Casts `params` to the policy's param dtype, initialises `tx` on the trainable ones, and sets `step` to 0.
 
         Leaves already in the param dtype are not copied: once a step with the state donated has run (the usual
@@ -192,7 +195,7 @@ class TrainState:
             raise ValueError(f"tx must be an optax GradientTransformation, e.g. optax.adamw(1e-3), got "
                              f"{type(tx).__name__}")
         regular, fp8 = split_fp8(jax.tree_util.tree_map_with_path(_float_array, params))
-        _check_fp8(policy, params)
+        _check_fp8_policy(policy, params)
         regular = policy.cast_to_param(regular)  # the FP8 scales and histories stay float32
         _check_keep_float32(policy, regular)
         mask = trainable_mask(trainable, regular)
@@ -210,15 +213,6 @@ class TrainState:
             policy=policy,
             trainable=mask,
         )
-
-
-def _check_fp8(policy: jmp.Policy, params: PyTree) -> None:
-    """An FP8 policy needs the model's FP8 state: refuses params without (an empty) FP8 collection."""
-    if uses_fp8(policy) and not jax.tree.leaves(split_fp8(params)[1]):
-        raise ValueError(f"policy {policy_name(policy)!r} trains FP8 matmuls through the model's own FP8 ops, but "
-                         f"params hold no FP8 collection ({FP8_COLLECTION!r}): build the model with FP8 ops "
-                         "(jaxamp.layers.Dense(fp8=True), nn.Fp8DirectDotGeneralOp, jaxamp.nnx.Fp8DotGeneral) and "
-                         "pass its whole variables dict, not variables['params'] (or use 'bf16')")
 
 
 def _check_policy(policy) -> jmp.Policy:
@@ -240,121 +234,3 @@ def _check_keep_float32(policy: jmp.Policy, params: PyTree) -> None:
             near = [p for p in paths if tail and tail in p][:3] or paths[:3]
             raise ValueError(f"keep_float32 pattern {pattern!r} matches no params leaf, so no leaf stays float32 "
                              f"by it; patterns match whole paths such as {near} (e.g. '*/embedding'): fix or drop it")
-
-
-def split_fp8(params: PyTree) -> tuple[PyTree, PyTree]:
-    """`(params without the FP8 collection, the FP8 collection or None)` of a variables dict."""
-    if isinstance(params, (dict, flax.core.FrozenDict)) and FP8_COLLECTION in params:
-        rest = {k: v for k, v in params.items() if k != FP8_COLLECTION}
-        return (flax.core.FrozenDict(rest) if isinstance(params, flax.core.FrozenDict) else rest), params[FP8_COLLECTION]
-    return params, None
-
-
-def merge_fp8(params: PyTree, fp8: PyTree) -> PyTree:
-    """The inverse of `split_fp8`."""
-    if fp8 is None:
-        return params
-    merged = {**params, FP8_COLLECTION: fp8}
-    return flax.core.FrozenDict(merged) if isinstance(params, flax.core.FrozenDict) else merged
-
-
-def trainable_mask(trainable, params: PyTree) -> tuple[bool, ...] | None:
-    """`TrainState.create`'s `trainable` as one bool per params leaf (None when every leaf trains).
-
-    Raises:
-      ValueError: a bool tree that is not a prefix of `params`, a non-boolean value, or every leaf frozen.
-    """
-    if trainable is None:
-        return None
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    if callable(trainable):
-        values = [trainable(path, leaf) for path, leaf in flat]
-    else:
-        # As plain dicts: a dict prefix fits FrozenDict params and vice versa (both flatten in sorted key order).
-        plain, rule = _unfrozen(params), _unfrozen(trainable)
-        try:
-            values = jax.tree.structure(plain).flatten_up_to(
-                jax.tree.map(lambda t, sub: jax.tree.map(lambda _: t, sub), rule, plain))
-        except (ValueError, TypeError) as err:
-            where = _prefix_mismatch(rule, plain) or " ".join(line.strip() for line in str(err).splitlines()[:2])
-            raise ValueError(f"trainable must be a tree of bools shaped like params or a prefix of it, or a "
-                             f"callable (path, leaf) -> bool; it does not fit params: {where}") from None
-    bad = [(path, v) for (path, _), v in zip(flat, values) if not isinstance(v, (bool, np.bool_))]
-    if bad:
-        path, v = bad[0]
-        raise ValueError(f"trainable must give a bool per params leaf, got {v!r} for params"
-                         f"{jax.tree_util.keystr(path)}")
-    mask = tuple(bool(v) for v in values)
-    if mask and not any(mask):
-        raise ValueError("trainable freezes every params leaf: nothing would train; mark at least one leaf True")
-    return None if all(mask) else mask
-
-
-def _unfrozen(tree):
-    """`tree` with every FrozenDict, at any depth (inside lists and tuples too), a plain dict."""
-    if isinstance(tree, (dict, flax.core.FrozenDict)):
-        return {k: _unfrozen(v) for k, v in tree.items()}
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple
-        return type(tree)(*(_unfrozen(v) for v in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_unfrozen(v) for v in tree)
-    return tree
-
-
-def _prefix_mismatch(tree, params, path: str = "") -> str | None:
-    """Where a `trainable` tree first stops fitting `params` (dicts and lists), in one line; None if found nowhere."""
-    where = path or "the top"
-    if tree is None:
-        return None if params is None else f"at {where} trainable has None; write True or False"
-    if isinstance(tree, dict):
-        if not isinstance(params, dict):
-            return f"at {path or 'the top'} trainable has a dict where params have {type(params).__name__}"
-        for key in tree:
-            if key == FP8_COLLECTION and not path:
-                return (f"trainable names the FP8 collection {FP8_COLLECTION!r}: it is not a trainable param (its "
-                        "scales and histories always update); leave it out of trainable")
-            if key not in params:
-                hint = (f"; NNX lists (nnx.List, nn.Sequential layers) are keyed by int: write {int(key)}"
-                        if isinstance(key, str) and key.isdigit() and int(key) in params else "")
-                return f"at {path or 'the top'} trainable has key {key!r}, params have {list(params)[:8]}{hint}"
-        missing = [key for key in params if key not in tree]
-        if missing:
-            return (f"at {path or 'the top'} trainable lacks the keys {missing[:8]} of params (a dict prefix names "
-                    "every key at its level; True or False covers a whole subtree)")
-        for key in tree:
-            found = _prefix_mismatch(tree[key], params[key], f"{path}[{key!r}]")
-            if found:
-                return found
-        return None
-    if isinstance(tree, (list, tuple)):
-        keys = list(params) if isinstance(params, dict) else None
-        if keys is not None and keys == list(range(len(keys))):
-            return (f"at {where} trainable has a {type(tree).__name__} where params have a dict keyed "
-                    f"{keys[:8]}; write {{0: ..., 1: ...}}")
-        if type(params) is not type(tree):
-            return f"at {where} trainable has a {type(tree).__name__} where params have {type(params).__name__}"
-        if len(tree) != len(params):
-            return f"at {where} trainable has {len(tree)} entries where params have {len(params)}"
-        for i, (t, p) in enumerate(zip(tree, params)):
-            found = _prefix_mismatch(t, p, f"{path}[{i}]")
-            if found:
-                return found
-    return None
-
-
-def split_frozen(params: PyTree, mask: tuple[bool, ...] | None) -> tuple[PyTree, PyTree]:
-    """`(trainable, frozen)`: two trees shaped like `params`, holding None where the other holds the leaf."""
-    if mask is None:
-        return params, None
-    leaves, treedef = jax.tree.flatten(params)
-    if len(leaves) != len(mask):
-        raise ValueError(f"the trainable mask has {len(mask)} entries but params have {len(leaves)} leaves")
-    return (treedef.unflatten([x if m else None for x, m in zip(leaves, mask)]),
-            treedef.unflatten([None if m else x for x, m in zip(leaves, mask)]))
-
-
-def merge_frozen(trainable: PyTree, frozen: PyTree) -> PyTree:
-    """The inverse of `split_frozen`: every leaf from whichever tree holds it."""
-    if frozen is None:
-        return trainable
-    return jax.tree.map(lambda a, b: b if a is None else a, trainable, frozen, is_leaf=lambda x: x is None)

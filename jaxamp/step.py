@@ -3,249 +3,29 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax.linen import fp8_ops
 
-from jaxamp.grad_stats import underflow_stats
-from jaxamp.state import TrainState, merge_fp8, merge_frozen, split_fp8, split_frozen
+from jaxamp import finite
+from jaxamp import fp8_collection as fp8c
+from jaxamp.fp8_collection import merge_fp8, split_fp8
+from jaxamp.gradients import LossFn, gradients, split_loss
+from jaxamp.metrics import step_metrics
+from jaxamp.state import TrainState
+from jaxamp.trainable import merge_frozen, split_frozen
 
 PyTree = Any
-LossFn = Callable[[PyTree, PyTree, Any], Any]
 
-
-def _split_loss(out) -> tuple[jax.Array, Any]:
-    """`loss_fn` returns a scalar loss or `(loss, aux)`; returns `(f32[] loss, aux or None)`."""
-    if isinstance(out, tuple) and len(out) != 2 or isinstance(out, (list, dict)) or out is None:
-        what = f"a {len(out)}-tuple" if isinstance(out, tuple) else type(out).__name__
-        raise ValueError(f"loss_fn must return a scalar loss or a (loss, aux) tuple, got {what}; put everything "
-                         "besides the loss into aux, e.g. return loss, {'accuracy': acc}")
-    loss, aux = out if isinstance(out, tuple) else (out, None)
-    loss = jnp.asarray(loss)
-    if loss.shape != ():
-        raise ValueError(f"loss_fn must return a scalar loss (or (loss, aux)), got shape {loss.shape}")
-    if not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise ValueError(f"loss_fn must return a real floating-point loss, got {loss.dtype} (an integer loss has no "
-                         "gradient; a complex one has no order)")
-    return loss.astype(jnp.float32), aux
+__all__ = ["check_options", "eval_step", "select_tree", "train_step", "train_step_with_carry"]
 
 
 def select_tree(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
     """Leaf by leaf `lax.select(pred, a, b)` for a `bool[]` pred: the unchosen tree's leaves come back bitwise."""
     return jax.tree.map(lambda a, b: jax.lax.select(pred, a, b), on_true, on_false)
-
-
-def _leaf_check(x) -> tuple[jax.Array, jax.Array]:
-    """`(f32[] sum of squares, bool[] all finite)` of one leaf in one pass (a variadic `lax.reduce`)."""
-    # A decision and a metric, not part of the update's value: no derivative (JAX's JVP of a variadic reduce with a
-    # bool operand fails, so differentiating through `train_step`, e.g. for hypergradients, needs this).
-    x = jax.lax.stop_gradient(jnp.asarray(x))
-    if not jnp.issubdtype(x.dtype, jnp.floating):  # integer or boolean leaves: finite, no norm
-        return jnp.zeros((), jnp.float32), jnp.ones((), jnp.bool_)
-    xf = x.astype(jnp.float32)
-    return jax.lax.reduce((xf * xf, jnp.isfinite(x)), (jnp.float32(0), jnp.bool_(True)),
-                          lambda a, b: (a[0] + b[0], a[1] & b[1]), tuple(range(x.ndim)))
-
-
-class _Check(NamedTuple):
-    finite: jax.Array  # bool[]: every element of every leaf finite (`all_finite`)
-    finite_leaves: PyTree  # bool[] per leaf, like the gradients (`finite_leaves`)
-    norm: jax.Array  # f32[]: global L2 norm (`optax.tree.norm`); inf or NaN when not finite
-
-
-def _check_grads(grads: PyTree, fp8: PyTree = None) -> _Check:
-    """The finite check and the global norm read each gradient leaf once, not twice (one fused reduction per leaf).
-
-    With FP8 ops the new amax histories count too: FP8 quantization clips the output gradient to e5m2's range, so an
-    overflow (inf) there leaves finite, clipped weight gradients, and only its amax (inf) shows it.
-    """
-    # Flattened, not `tree.map` + `is_leaf=tuple`: params may hold tuples themselves (e.g. `[(W, b), ...]`).
-    leaves, treedef = jax.tree.flatten(grads)
-    leaf_checks = [_leaf_check(x) for x in leaves]
-    sums = [c[0] for c in leaf_checks]
-    flags = treedef.unflatten([c[1] for c in leaf_checks])
-    finite = jnp.all(jnp.stack(jax.tree.leaves(flags))) if sums else jnp.ones((), jnp.bool_)
-    if jax.tree.leaves(fp8):
-        finite = finite & jnp.all(jnp.stack([_leaf_check(x)[1] for x in jax.tree.leaves(fp8)]))
-    norm = jnp.sqrt(sum(sums, jnp.zeros((), jnp.float32)))
-    return _Check(finite, flags, norm)
-
-
-class _Grads(NamedTuple):
-    grads: PyTree  # float32, unscaled, like the trainable params
-    loss: jax.Array  # f32[] unscaled mean loss
-    aux: Any  # loss_fn's aux (stacked [accum_steps, ...] under accumulation) or None
-    stats: Any  # underflow_stats dict (averaged over micro-batches; min headroom) or None
-    fp8: Any = None  # the FP8 collection's new values (float32, loss-scale free), or None without FP8 ops
-    carry: Any = None  # a stateful loss_fn's state after the step's micro-batches (see `_micro_grads`), or None
-
-
-def _is_output_grad(path) -> bool:
-    """Flax's FP8 entries measured on the output gradient (`output_grad_scale`, `output_grad_amax_history`)."""
-    last = path[-1]
-    return str(getattr(last, "key", getattr(last, "name", last))).startswith("output_grad")
-
-
-def _fp8_in_scaled_units(fp8: PyTree, loss_scale, inverse: bool = False) -> PyTree:
-    """The FP8 state is stored loss-scale free; the backward pass sees the scaled output gradient, so its
-    output-gradient scales and amax histories are multiplied by the loss scale on the way in and divided on the way
-    out (exact for power-of-2 scales: the FP8 values and the state are then bitwise independent of the scale)."""
-    if fp8 is None:
-        return None
-    s = loss_scale.loss_scale
-
-    def convert(path, x):
-        if not _is_output_grad(path):
-            return x
-        return (x / s if inverse else x * s).astype(x.dtype)
-
-    return jax.tree_util.tree_map_with_path(convert, fp8)
-
-
-def _max_combined(fp8: PyTree) -> PyTree:
-    """The FP8 collection as Flax's `fp32_max_grad` ("fm32") dtype: float32 whose cotangents add by maximum. An FP8
-    op called more than once in one loss (a weight-shared layer, one op in two layers) then gets the largest of its
-    calls' new amax histories and scales as its "gradient", not their sum (which doubles the history every step).
-    Flax's ops compute in float32 from it and return the new values in it; one call gives bitwise the same values."""
-    if fp8 is None:
-        return None
-    return jax.tree.map(lambda x: jax.lax.convert_element_type(x, fp8_ops.fp32_max_grad), fp8)
-
-
-def _as_float32_if_fm32(x):
-    return jax.lax.convert_element_type(x, jnp.float32) if getattr(x, "dtype", None) == fp8_ops.fp32_max_grad else x
-
-
-_FP8_TENSORS = ("input", "kernel", "output_grad")
-
-
-def _keep_uncalled(new: PyTree, old: PyTree) -> PyTree:
-    """The FP8 collection's new values, except where the loss did not call the op (an unused layer, a `lax.cond`
-    branch not taken, an output under `stop_gradient`): its "gradient" there is 0, which as a new scale would make
-    the next call divide by 0. Per op and tensor (input, kernel, output gradient), a new scale of 0 (never a real
-    one: scales are amax / format max > 0, or the old scale) keeps the old scale and history."""
-    if not hasattr(new, "keys"):
-        return new
-    if not all(f"{t}_scale" in new for t in _FP8_TENSORS):
-        return type(new)({k: _keep_uncalled(new[k], old[k]) for k in new.keys()})
-    out = dict(new)
-    for t in _FP8_TENSORS:
-        called = new[f"{t}_scale"] > 0  # bool[..., 1]: per layer of a stacked (scanned) op
-        for name in (f"{t}_scale", f"{t}_amax_history"):
-            out[name] = jnp.where(called, new[name], old[name])
-    return type(new)(out)
-
-
-def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
-    """Scaled loss -> gradients w.r.t. the trainable compute-dtype params (still scaled, in the compute dtype), the
-    FP8 collection's new values (loss-scale free) and, for a stateful `loss_fn`, its new state.
-
-    `params_c` is `(trainable, frozen, fp8)`: frozen leaves enter the loss as constants; the FP8 collection (None
-    without FP8 ops) is "differentiated" too, since Flax's FP8 ops return its new values as its gradient. With a
-    `carry` (a pytree of model state that is not differentiated, e.g. `jaxamp.nnx`'s BatchNorm statistics and RNG
-    counts), `loss_fn(params, batch, rng, carry)` returns `(loss | (loss, aux), new_carry)`.
-    """
-    train_c, frozen_c, fp8 = params_c
-
-    def scaled_loss(train, fp8_scaled, frozen_c, batch, rng, carry, loss_scale):
-        params = merge_fp8(merge_frozen(train, frozen_c), _max_combined(fp8_scaled))
-        if carry is None:
-            out, new_carry = loss_fn(params, batch, rng), None
-        else:
-            out, new_carry = loss_fn(params, batch, rng, carry)
-        loss, aux = _split_loss(out)
-        return loss_scale.scale(loss), (loss, aux, new_carry)
-
-    grad_fn = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)
-    if fp8 is not None:
-        grad_fn = jax.jit(grad_fn)  # fm32 cotangents add only in compiled code (eager has no rule); inlined under jit
-    try:
-        (grads_c, fp8_new), (loss, aux, new_carry) = grad_fn(
-            train_c, _fp8_in_scaled_units(fp8, loss_scale), frozen_c, batch, rng, carry, loss_scale)
-    except TypeError as err:
-        if "fp8_meta" not in str(err):
-            raise
-        raise ValueError("loss_fn used an FP8 scale or amax history as a number, or vmapped an FP8 layer per example: "
-                         "inside the step they are Flax's fp32_max_grad dtype, which only FP8 ops compute with (and "
-                         "whose amax cannot be combined over a jax.vmap axis); read them outside loss_fn, call the "
-                         "layer on the whole batch, or give each mapped slice its own FP8 state (nn.vmap / nnx.vmap "
-                         "of the variables)") from None
-    # An op in a lax.cond branch not taken gets fm32's zero, -inf: 0, as for an op the loss does not call at all.
-    fp8_new = jax.tree.map(lambda x: jnp.where(x == -jnp.inf, jnp.zeros_like(x), x), fp8_new)
-    aux = jax.tree.map(_as_float32_if_fm32, aux)  # an FP8 scale returned for monitoring: a plain float32 array
-    return grads_c, loss, aux, _fp8_in_scaled_units(fp8_new, loss_scale, inverse=True), new_carry
-
-
-def _split_micro(batch: PyTree, accum_steps: int) -> PyTree:
-    """Every leaf `[batch, ...]` -> `[accum_steps, batch // accum_steps, ...]`; every leaf must share `batch`."""
-    shapes = {jax.tree_util.keystr(path): jnp.shape(x) for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]}
-    if len({shape[:1] for shape in shapes.values()}) > 1:
-        listed = ", ".join(f"batch{name}: {shape}" for name, shape in list(shapes.items())[:6])
-        raise ValueError(f"accum_steps={accum_steps} splits every batch leaf along its leading (batch) axis, so every "
-                         f"leaf needs the same leading size; got {listed}. Keep per-step constants such as class "
-                         "weights out of the batch (e.g. close over them in loss_fn)")
-    for name, shape in shapes.items():
-        if not shape or shape[0] % accum_steps:
-            raise ValueError(f"accum_steps={accum_steps} must divide the batch's leading axis, but batch{name} has "
-                             f"shape {shape}")
-
-    def split(x):
-        x = jnp.asarray(x)
-        # Strided: micro-batch i = rows i, i + accum, ...; so under a batch sharded by rows every device holds its
-        # share of every micro-batch and no rows move between devices.
-        x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:])  # [micro_batch, accum, ...]
-        return jnp.swapaxes(x, 0, 1)  # [accum, micro_batch, ...]
-
-    return jax.tree.map(split, batch)
-
-
-def _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps: int, with_stats: bool, carry=None) -> _Grads:
-    """Float32 unscaled gradients of the trainable params, averaged over `accum_steps` micro-batches (one lax.scan,
-    float32 accumulator), and the FP8 collection's new values (over micro-batches: the element-wise maximum, i.e.
-    the newest amax history with the largest amax of the micro-batches, and the largest scale). A stateful
-    `loss_fn`'s `carry` (see `_micro_grads`) runs through the micro-batches in order."""
-    regular, fp8 = split_fp8(state.params)
-    train_c, frozen_c = split_frozen(state.policy.cast_to_compute(regular), state.trainable)
-    params_c = (train_c, frozen_c, fp8)
-    stats_of = underflow_stats if with_stats else (lambda g: None)
-    if accum_steps == 1:
-        grads_c, loss, aux, fp8_new, carry = _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry)
-        return _Grads(loss_scale.unscale(grads_c), loss, aux, stats_of(grads_c), fp8_new, carry)
-
-    def body(scan_carry, xs):
-        acc, loss_sum, stats_acc, fp8_acc, carry = scan_carry
-        micro, i = xs
-        grads_c, loss, aux, fp8_new, carry = _micro_grads(loss_fn, loss_scale, params_c, micro,
-                                                          jax.random.fold_in(rng, i), carry)
-        acc = jax.tree.map(jnp.add, acc, loss_scale.unscale(grads_c))
-        fp8_acc = jax.tree.map(jnp.maximum, fp8_acc, fp8_new)  # None without FP8 ops
-        stats = stats_of(grads_c)
-        if stats is not None:
-            stats = stats if stats_acc is None else _combine_stats(stats_acc, stats)
-        return (acc, loss_sum + loss, stats, fp8_acc, carry), aux
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), state.trainable_params())
-    fp8_zeros = jax.tree.map(jnp.zeros_like, fp8)  # scales > 0 and amax >= 0: 0 is the identity of the maximum
-    init_stats = None
-    if with_stats:  # zero fractions start at 0 (sums), headroom at +inf (minima)
-        shapes = jax.eval_shape(underflow_stats, train_c)
-        init_stats = {k: jax.tree.map(lambda s, k=k: jnp.full(s.shape, 0.0 if "zero" in k else jnp.inf, s.dtype), v)
-                      for k, v in shapes.items()}
-    (acc, loss_sum, stats, fp8_new, carry), aux = jax.lax.scan(
-        body, (zeros, jnp.zeros((), jnp.float32), init_stats, fp8_zeros, carry),
-        (_split_micro(batch, accum_steps), jnp.arange(accum_steps)))
-    if stats is not None:
-        stats = {k: (jax.tree.map(lambda v: v / accum_steps, v) if "zero" in k else v) for k, v in stats.items()}
-    grads = jax.tree.map(lambda g: g / accum_steps, acc)
-    return _Grads(grads, loss_sum / accum_steps, aux, stats, fp8_new, carry)
-
-
-def _combine_stats(acc: dict, new: dict) -> dict:
-    """Running sums of zero fractions and minima of headroom over micro-batches."""
-    return {k: jax.tree.map(jnp.add if "zero" in k else jnp.minimum, acc[k], new[k]) for k in acc}
 
 
 def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries, carry=None):
@@ -260,8 +40,8 @@ def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries, car
     """
 
     def attempt(loss_scale):
-        g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, with_stats, carry)
-        return g, _check_grads(g.grads, g.fp8)
+        g = gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, with_stats, carry)
+        return g, finite.check(g.grads, also=g.fp8)
 
     def can_lower(loss_scale):
         return loss_scale.backoff().loss_scale < loss_scale.loss_scale
@@ -319,15 +99,10 @@ def train_step(
     9. adjust the loss scale once (backoff or growth); advance `step` (also on a skipped step).
 
     FP8 (Flax's `Fp8DirectDotGeneralOp`/`Fp8Einsum`, e.g. `jaxamp.layers.Dense(fp8=True)`): `state.params` is then
-    the model's variables dict and its `"_overwrite_with_gradient"` collection holds per-tensor scales and amax
-    histories whose "gradient" is their new value. That collection is not cast (float32), takes no part in
-    `grad_norm`, clipping, weight decay or the optax update, and is never unscaled as a gradient: it is stored
-    loss-scale free (its output-gradient entries are multiplied by the loss scale going in and divided coming out,
-    exact for power-of-2 scales, so the FP8 state does not depend on the scale). Its new amax values do count in the
-    finite check (FP8 clips an overflowed output gradient to e5m2's range, so only its amax shows it). Under
-    accumulation, and over several calls of one op in a loss (it enters the loss as Flax's `fp32_max_grad` dtype),
-    new values combine by element-wise maximum (one history entry per optimizer step, holding the largest amax). An
-    op the loss does not call keeps its values. On a skipped step it stays bitwise unchanged, like the params.
+    the model's variables dict, and its `"_overwrite_with_gradient"` collection (per-tensor scales and amax
+    histories, whose "gradient" is their new value) follows the rules of `jaxamp.fp8_collection`: never cast,
+    unscaled or optimized, stored loss-scale free, combined by maximum, its amax in the finite check (step 6), kept
+    bitwise on a skipped step (step 8).
 
     Args:
       state: the `TrainState`. Donating it is safe.
@@ -396,8 +171,8 @@ def train_step_with_carry(state: TrainState, batch: PyTree, loss_fn: Callable, c
                                                        max_retries, carry)
     else:
         loss_scale, retries = state.loss_scale, jnp.zeros((), jnp.int32)
-        g = _gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, underflow_stats, carry)
-        check = _check_grads(g.grads, g.fp8)  # the one finite check and the norm metric, one pass over the gradients
+        g = gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, underflow_stats, carry)
+        check = finite.check(g.grads, also=g.fp8)  # the one finite check and the norm, one pass over the gradients
     grads_finite = check.finite
     regular, fp8 = split_fp8(state.params)
     train_params, frozen = split_frozen(regular, state.trainable)
@@ -412,27 +187,15 @@ def train_step_with_carry(state: TrainState, batch: PyTree, loss_fn: Callable, c
     old = (train_params, state.opt_state)
     new = jax.tree.map(lambda x, o: x.astype(o.dtype), (new_params, new_opt_state), old)
     train_params, opt_state = select_tree(grads_finite, new, old)
-    # The FP8 scales and histories: the new values on an applied step; on a skipped step the old ones (the step did
-    # not happen; an overflowed step's inf amax would otherwise sit in the history for its whole length).
-    fp8 = select_tree(grads_finite, _keep_uncalled(g.fp8, fp8), fp8)
+    fp8 = fp8c.select(grads_finite, g.fp8, fp8)
     params = merge_fp8(merge_frozen(train_params, frozen), fp8)  # frozen leaves: the very arrays they were
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               loss_scale=loss_scale.adjust(grads_finite))
-    metrics = {
-        "loss": g.loss,
-        "loss_finite": jnp.isfinite(g.loss),
-        "grad_norm": check.norm,
-        "loss_scale": jnp.copy(loss_scale.loss_scale),  # a new buffer: the state's own is donated next step
-        "grads_finite": grads_finite,
-        "grads_finite_leaves": check.finite_leaves,
-        "retries": retries,
-    }
-    if on_overflow == "retry":
-        metrics["nonfinite_at_min_scale"] = futile
-    if g.aux is not None:
-        metrics["aux"] = g.aux
-    if g.stats is not None:
-        metrics["underflow"] = g.stats
+    metrics = step_metrics(
+        loss=g.loss, loss_finite=jnp.isfinite(g.loss), grad_norm=check.norm,
+        loss_scale=jnp.copy(loss_scale.loss_scale),  # a new buffer: the state's own is donated next step
+        grads_finite=grads_finite, grads_finite_leaves=check.finite_leaves, retries=retries,
+        nonfinite_at_min_scale=futile if on_overflow == "retry" else None, aux=g.aux, underflow=g.stats)
     return new_state, metrics, g.carry
 
 
@@ -475,5 +238,5 @@ def eval_step(state: TrainState, batch: PyTree, loss_fn: LossFn) -> dict:
     Returns:
       `{"loss": f32[]}`, plus `"aux"` when `loss_fn` returns one.
     """
-    loss, aux = _split_loss(loss_fn(state.compute_params(), batch, None))
+    loss, aux = split_loss(loss_fn(state.compute_params(), batch, None))
     return {"loss": loss} if aux is None else {"loss": loss, "aux": aux}

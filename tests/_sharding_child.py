@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step  # noqa: E402
 from jaxamp import sharding as shd  # noqa: E402
 from jaxamp.checkpoint import Checkpointer  # noqa: E402
-from jaxamp.model import TransformerConfig, TransformerLM  # noqa: E402
+from jaxamp.lm.model import TransformerConfig, TransformerLM  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS = 40, 16, 16, 3
 MODEL = TransformerLM(TransformerConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=1, num_heads=2, width=32,
@@ -208,7 +208,7 @@ def train4(argv: list[str], wait_for: str, ckpt_dir: str) -> dict:
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     import train_lm  # pylint: disable=import-outside-toplevel
 
-    import jaxamp.train as jt  # pylint: disable=import-outside-toplevel
+    import jaxamp.lm.train as jt  # pylint: disable=import-outside-toplevel
 
     made = []
     original = jt.jit_train_step

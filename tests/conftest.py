@@ -50,7 +50,7 @@ def shakespeare_path() -> Path:
 @pytest.fixture(scope="session")
 def text_corpus(tmp_path_factory) -> Path:
     """60,000 characters of tinyshakespeare, or of the default corpus (the stdlib's sources) where it is absent."""
-    from jaxamp.data import default_corpus_text
+    from jaxamp.lm.data import default_corpus_text
 
     path = shakespeare()
     text = path.read_text(encoding="utf-8")[:60_000] if path else default_corpus_text(60_000)

@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from jaxamp.plotting import PlotError, plot_runs
-
 from conftest import load_script, number, table_rows
+
+from jaxamp.lm.plotting import PlotError, plot_runs
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -110,9 +109,9 @@ def test_gpu_throughput_tiny_on_token_files(tmp_path):
     import pickle
 
     import numpy as np
-
     from conftest import load_script
-    from jaxamp.data import batch_at
+
+    from jaxamp.lm.data import batch_at
 
     data = tmp_path / "data"
     data.mkdir()
@@ -251,16 +250,16 @@ def test_gpu_check_runs_only_the_stages_asked_for(tmp_path):
 
 def test_plot_ends_the_loss_scale_at_the_summarys_final_scale(tmp_path):
     """Records hold the scale each step was computed with; a growth at the last step is in summary.json only."""
-    from jaxamp.plotting import _final_scale, load_run
+    from jaxamp.lm.plotting import final_scale, load_run
 
     _write_run(tmp_path / "run", steps=60, skipped_at=None, precision="fp16", seed=1)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     (tmp_path / "run" / "summary.json").write_text(json.dumps({**summary, "final_loss_scale": 2.0**16}))
     records = load_run(tmp_path / "run")
     assert {r["loss_scale"] for r in records} == {2.0**15}
-    assert _final_scale(tmp_path / "run", records) == (60, 2.0**16)
+    assert final_scale(tmp_path / "run", records) == (60, 2.0**16)
     (tmp_path / "run" / "summary.json").write_text(json.dumps({**summary, "steps": 30, "final_loss_scale": 2.0}))
-    assert _final_scale(tmp_path / "run", records) is None  # a summary of another step: not plotted
+    assert final_scale(tmp_path / "run", records) is None  # a summary of another step: not plotted
     assert plot_runs([tmp_path / "run"], tmp_path / "p.png").read_bytes()[:8] == PNG_SIGNATURE
 
 

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxamp import DynamicLossScale, TrainState, get_policy, train_step
-from jaxamp.checkpoint import CheckpointError, CheckpointMismatchError, Checkpointer
+from jaxamp.checkpoint import Checkpointer, CheckpointError, CheckpointMismatchError
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ROOT / "tests" / "_ckpt_child.py"

@@ -1,9 +1,9 @@
-"""Tests for jaxamp.data: corpus loading, tokenizer, nanoGPT split, (seed, step)-pure batches."""
+"""Tests for jaxamp.lm.data: corpus loading, tokenizer, nanoGPT split, (seed, step)-pure batches."""
 
 import numpy as np
 import pytest
 
-from jaxamp.data import (
+from jaxamp.lm.data import (
     CharDataset,
     CharTokenizer,
     DataError,
@@ -185,7 +185,7 @@ def test_default_corpus_skips_files_generated_at_install(tmp_path, monkeypatch):
 
 def test_load_text_reads_utf8(tmp_path):
     f = tmp_path / "t.txt"
-    f.write_bytes("naïve\r\ntext\n".encode("utf-8"))
+    f.write_bytes("naïve\r\ntext\n".encode())
     assert load_text(f) == "naïve\r\ntext\n"
     assert load_text(str(f)) == "naïve\r\ntext\n"
 
@@ -204,7 +204,7 @@ def test_load_text_errors(tmp_path):
         load_text(empty)
     assert str(empty) in str(e.value)
     latin1 = tmp_path / "latin1.txt"
-    latin1.write_bytes("abc".encode() + "é".encode("latin-1") + b"def")
+    latin1.write_bytes(b"abc" + "é".encode("latin-1") + b"def")
     with pytest.raises(DataError, match="not valid UTF-8.*offset 3") as e:
         load_text(latin1)
     assert str(latin1) in str(e.value)

@@ -9,14 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import load_script
 
-import jaxamp.train
+import jaxamp.lm.setup
 from jaxamp.checkpoint import Checkpointer
 from jaxamp.diagnostics import FORMATS, activation_ranges, gradient_underflow, range_fractions, recommend_policy
-from jaxamp.model import TransformerConfig, TransformerLM
-from jaxamp.train import TrainConfig, build, make_loss_fn
-
-from conftest import load_script
+from jaxamp.lm.config import TrainConfig
+from jaxamp.lm.model import TransformerConfig, TransformerLM
+from jaxamp.lm.setup import build, make_loss_fn
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -38,7 +38,7 @@ def corpus(tmp_path_factory) -> str:
 
 @pytest.fixture(autouse=True)
 def shared_compiles(monkeypatch):
-    monkeypatch.setattr(jaxamp.train, "make_loss_fn", _cached_make_loss_fn)
+    monkeypatch.setattr(jaxamp.lm.setup, "make_loss_fn", _cached_make_loss_fn)
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,13 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-
-from jaxamp import DynamicLossScale, TrainState, get_policy
-from jaxamp.checkpoint import CheckpointSaveError, Checkpointer
-from jaxamp.checkpoint_quiet import save_reason
-from jaxamp.metrics_log import MetricsLogger, read_metrics
-
 from conftest import load_script, number, table_rows
 from test_train import REPO, SCRIPT, _quick, _small_corpus, tensorboard_scalars, train_lm
+
+from jaxamp import DynamicLossScale, TrainState, get_policy
+from jaxamp.checkpoint import Checkpointer, CheckpointSaveError
+from jaxamp.checkpoint_quiet import save_reason
+from jaxamp.lm.metrics_log import MetricsLogger, read_metrics
 
 # orbax leaves the coroutines of a failed read behind; collecting them prints "Exception ignored in <coroutine>".
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -231,7 +230,7 @@ def test_slow_saves_are_noted_once(tmp_path, monkeypatch):
 
 SIGINT_IN_BUILD = """
 import os, runpy, signal, sys, time
-import jaxamp.train as train_mod
+import jaxamp.lm.train as train_mod
 train_mod.build = lambda cfg: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30))
 sys.argv = [sys.argv[1], *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -350,7 +349,7 @@ def test_a_metrics_copy_that_is_not_json_is_not_parsed_by_orbax(tmp_path):
 def test_a_signal_after_the_flush_check_loses_no_record(tmp_path, monkeypatch):
     """A SIGTERM that lands after a step's flush check (between steps that do not fetch metrics) ended the loop with
     the records since the last fetch never written, and saved the step after them: lost for good."""
-    import jaxamp.train as train_mod
+    import jaxamp.lm.train as train_mod
 
     class LateSignal(train_mod.StopRequest):
         """Reports SIGTERM from the loop's second look after step 3: after its flush check, before the next step."""

@@ -14,10 +14,10 @@ import optax
 import pytest
 
 from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step
-from jaxamp.data import CharDataset, batch_at, default_corpus_text
 from jaxamp.fidelity import grad_fidelity, worst
 from jaxamp.layers import Embed, embed_lookup
-from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, cross_entropy_loss
+from jaxamp.lm.data import CharDataset, batch_at, default_corpus_text
+from jaxamp.lm.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, cross_entropy_loss
 
 T = jnp.asarray([0.5, -1.0, 2.0, 0.25, -3.0, 1.5, 0.75, -0.125], jnp.float32)  # the fixed float32 8-vector t
 IDS = jnp.zeros((4096,), jnp.int32)  # 4096 lookups of row 0

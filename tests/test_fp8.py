@@ -1,6 +1,6 @@
 """FP8 with delayed scaling: Flax's FP8 ops through jaxamp's train_step (the overwrite-with-gradient collection)."""
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -11,10 +11,10 @@ import pytest
 
 from jaxamp import DynamicLossScale, NoOpLossScale, StaticLossScale, TrainState, get_policy, train_step
 from jaxamp.checkpoint import Checkpointer
+from jaxamp.fp8_collection import FP8_COLLECTION
 from jaxamp.layers import Dense
-from jaxamp.metrics_log import read_metrics
+from jaxamp.lm.metrics_log import read_metrics
 from jaxamp.precision import policy_name, uses_fp8
-from jaxamp.state import FP8_COLLECTION
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 HISTORY = 4
@@ -71,8 +71,8 @@ def test_fp8_policy_names_and_flag():
 
 def test_the_experiments_fp8_policy_keeps_the_lm_tables_float32():
     """Under FP8 `params` is the variables dict ("params/wte/embedding"): the LM's tables still stay float32."""
-    from jaxamp.model import TransformerConfig, TransformerLM
-    from jaxamp.train import make_policy
+    from jaxamp.lm.model import TransformerConfig, TransformerLM
+    from jaxamp.lm.setup import make_policy
 
     model = TransformerLM(TransformerConfig(vocab_size=8, seq_len=4, num_layers=1, num_heads=2, width=8, fp8=True))
     variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))

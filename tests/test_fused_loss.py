@@ -10,8 +10,9 @@ import pytest
 
 from jaxamp import get_policy
 from jaxamp.layers import attend, attend_cross_entropy
-from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM
-from jaxamp.train import ConfigError, TrainConfig, build, train_batch
+from jaxamp.lm.config import ConfigError, TrainConfig
+from jaxamp.lm.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM
+from jaxamp.lm.setup import build, train_batch
 
 B, T, D, V = 3, 7, 16, 50  # batch, seq, features, vocab: 21 tokens, a prime number of them
 

@@ -16,8 +16,8 @@ import pytest
 
 from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step
 from jaxamp.checkpoint import Checkpointer
-from jaxamp.data import CharDataset, batch_at, default_corpus_text
-from jaxamp.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, cross_entropy_loss
+from jaxamp.lm.data import CharDataset, batch_at, default_corpus_text
+from jaxamp.lm.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, cross_entropy_loss
 
 ON_GPU = jax.default_backend() == "gpu"
 ANY_BACKEND = ON_GPU or os.environ.get("JAXAMP_GPU_TESTS_ON_CPU") == "1"

@@ -11,13 +11,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxamp.bpe import BPETokenizer
 from jaxamp.checkpoint import Checkpointer
-from jaxamp.corpus import decode_sample, load_corpus, sample_prompt, write_bpe_cache
-from jaxamp.data import CharTokenizer, DataError, TokenFile, batch_at, eval_batches
-from jaxamp.metrics_log import read_metrics
-from jaxamp.token_files import GPT2_VOCAB_SIZE, fingerprint, open_token_dir, read_meta
-from jaxamp.train import ConfigError, TrainConfig, build, validate
+from jaxamp.lm.bpe import BPETokenizer
+from jaxamp.lm.config import ConfigError, TrainConfig, validate
+from jaxamp.lm.corpus import decode_sample, load_corpus, sample_prompt, write_bpe_cache
+from jaxamp.lm.data import CharTokenizer, DataError, TokenFile, batch_at, eval_batches
+from jaxamp.lm.metrics_log import read_metrics
+from jaxamp.lm.setup import build
+from jaxamp.lm.token_files import GPT2_VOCAB_SIZE, fingerprint, open_token_dir, read_meta
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))

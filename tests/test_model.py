@@ -1,4 +1,4 @@
-"""Tests for jaxamp.model: precision contract, causality, numerics islands, nanoGPT shape/init, generate."""
+"""Tests for jaxamp.lm.model: precision contract, causality, numerics islands, nanoGPT shape/init, generate."""
 
 import dataclasses
 import functools
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.extend import core as jex_core
 
-from jaxamp.model import (
+from jaxamp.lm.model import (
     LayerNorm,
     TransformerConfig,
     TransformerLM,
@@ -27,7 +27,7 @@ SMALL = TransformerConfig(vocab_size=65, seq_len=16, num_layers=2, num_heads=4, 
 
 @pytest.fixture(autouse=True)
 def _strict_promotion():
-    """Any implicit dtype promotion inside a test is an error (also set by conftest; kept here so the file stands alone)."""
+    """Any implicit dtype promotion inside a test is an error (also set by conftest; kept so the file stands alone)."""
     with jax.numpy_dtype_promotion("strict"):
         yield
 

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import number, table_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,8 +43,8 @@ def _lm_params(text_corpus: Path) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jaxamp.data import CharDataset, load_text
-    from jaxamp.model import TransformerConfig, TransformerLM, count_params
+    from jaxamp.lm.data import CharDataset, load_text
+    from jaxamp.lm.model import TransformerConfig, TransformerLM, count_params
 
     vocab = CharDataset.from_text(load_text(text_corpus), 16).tokenizer.vocab_size
     cfg = TransformerConfig(vocab_size=vocab, seq_len=16, num_layers=1, num_heads=2, width=32, use_bias=False)

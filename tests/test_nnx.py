@@ -251,7 +251,8 @@ def test_a_frozen_sub_module_stays_bitwise_unchanged(how):
         opt = Optimizer(model, adam(), policy="fp16", loss_scale=DynamicLossScale(2.0**10),
                         wrt=nnx.All(nnx.Param, nnx.Not(nnx.PathContains("l1"))))
     else:  # l1 in the compute dtype, not differentiated, no optimizer state (TrainState.create's rule)
-        opt = Optimizer(model, adam(), policy="fp16", loss_scale=DynamicLossScale(2.0**10), trainable={"bn": True, "l1": False, "l2": True})
+        opt = Optimizer(model, adam(), policy="fp16", loss_scale=DynamicLossScale(2.0**10),
+                        trainable={"bn": True, "l1": False, "l2": True})
     seen = []
 
     def spy_loss(model, batch):

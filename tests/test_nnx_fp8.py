@@ -10,8 +10,8 @@ from flax import nnx
 
 from jaxamp import DynamicLossScale, NoOpLossScale, StaticLossScale, TrainState
 from jaxamp import train_step as functional_train_step
+from jaxamp.fp8_collection import FP8_COLLECTION
 from jaxamp.nnx import Fp8DotGeneral, Fp8Einsum, Fp8Meta, Optimizer, train_step
-from jaxamp.state import FP8_COLLECTION
 
 HISTORY = 4
 TX = optax.adam(1e-2)  # one object: equal models, optimizers and loss_fn share a compile
@@ -236,8 +236,8 @@ def linen_twin(model, opt):
 
 
 def test_nnx_fp8_ranges_equal_the_linen_report_of_the_same_model_and_change_nothing():
-    from jaxamp.nnx import fp8_ranges
     from jaxamp.fp8_report import fp8_ranges as linen_fp8_ranges
+    from jaxamp.nnx import fp8_ranges
 
     model, opt = fresh()
     for i in range(3):
@@ -248,7 +248,8 @@ def test_nnx_fp8_ranges_equal_the_linen_report_of_the_same_model_and_change_noth
         rows = fp8_ranges(model, opt, batch, loss_fn)
         assert rows == linen_fp8_ranges(linen_twin(model, opt), batch, linen_loss)
         by = {(r["layer"], r["tensor"]): r for r in rows}
-        assert set(by) == {(f"{l}/dot_general", t) for l in ("l1", "l2") for t in ("input", "kernel", "output_grad")}
+        assert set(by) == {(f"{layer}/dot_general", t) for layer in ("l1", "l2")
+                           for t in ("input", "kernel", "output_grad")}
         x_amax = float(jnp.max(jnp.abs(batch["x"].astype(jnp.bfloat16))).astype(jnp.float32))
         assert by[("l1/dot_general", "input")]["amax"] == x_amax
         assert by[("l1/dot_general", "input")]["capacity"] == pytest.approx(

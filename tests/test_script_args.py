@@ -4,7 +4,6 @@ after minutes of work; `--tiny` runs never overwrite a committed result table.""
 from __future__ import annotations
 
 import pytest
-
 from conftest import load_script
 
 

@@ -29,8 +29,8 @@ import pytest
 
 from jaxamp import sharding as shd
 from jaxamp.checkpoint import Checkpointer
-from jaxamp.metrics_log import read_metrics
-from jaxamp.train import build
+from jaxamp.lm.metrics_log import read_metrics
+from jaxamp.lm.setup import build
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ROOT / "tests" / "_sharding_child.py"
@@ -356,13 +356,13 @@ def test_two_processes_resume_past_a_damaged_step_and_set_it_aside_once(children
 def test_two_processes_on_a_busy_workdir_are_both_refused(children, tmp_path):
     """Process 0 holds the workdir lock for the run and tells process 1 whether it got it: a second two-process run
     on a busy workdir ends in both processes with the same one-line error, and changes no file."""
-    from jaxamp.workdir import _WorkdirLock
+    from jaxamp.lm.workdir import WorkdirLock
 
     busy = tmp_path / "busy"
     shutil.copytree(children["paths"]["work2"], busy)
     snapshot = lambda: sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in busy.rglob("*"))
     port = _free_port()
-    with _WorkdirLock(busy):  # the first run, still going
+    with WorkdirLock(busy):  # the first run, still going
         before = snapshot()
         procs = [subprocess.Popen(
             [sys.executable, str(SCRIPT), *children["args"], "--mesh", "data=4", "--steps", "6", "--workdir",
@@ -377,6 +377,7 @@ def test_two_processes_on_a_busy_workdir_are_both_refused(children, tmp_path):
                     proc.wait()
         for proc, (_, err) in zip(procs, results):
             assert proc.returncode == 2, err[-3000:]
-            assert err.strip().splitlines()[-1] == (f"error: --workdir {busy} is in use by another run (it holds {busy / 'lock'}); "
-                                   "wait for it to end or pass another directory"), err[-3000:]
+            expected = (f"error: --workdir {busy} is in use by another run (it holds {busy / 'lock'}); wait for it "
+                        "to end or pass another directory")
+            assert err.strip().splitlines()[-1] == expected, err[-3000:]
         assert snapshot() == before

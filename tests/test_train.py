@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from jaxamp.checkpoint import Checkpointer
-from jaxamp.metrics_log import read_metrics
-from jaxamp.train import TrainConfig, build
+from jaxamp.lm.config import TrainConfig
+from jaxamp.lm.metrics_log import read_metrics
+from jaxamp.lm.setup import build
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "experiments" / "train_lm.py"
@@ -84,7 +85,7 @@ def tensorboard_scalars(logdir) -> dict:
 
 def test_tensorboard_keeps_every_step_across_a_resume_within_one_second(tmp_path):
     """tensorboardX names event files by the second: a resumed logger must not truncate the first one's file."""
-    from jaxamp.metrics_log import MetricsLogger
+    from jaxamp.lm.metrics_log import MetricsLogger
 
     record = lambda step: {"step": step, "loss": 5.0 - step, "loss_scale": 2.0**15, "grads_finite": True,
                            "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1.0}
@@ -277,14 +278,14 @@ def test_a_damaged_newest_checkpoint_falls_back_quietly(tmp_path):
 
 
 def test_a_busy_or_unwritable_workdir_is_refused_untouched(tmp_path, capsys):
-    from jaxamp.workdir import _WorkdirLock
+    from jaxamp.lm.workdir import WorkdirLock
 
     corpus = _small_corpus(tmp_path / "corpus.txt")
     args = [*_quick(corpus), "--steps", "2"]
     workdir = tmp_path / "run"
     assert train_lm.main([*args, "--workdir", str(workdir)]) == 0
     snapshot = lambda: sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in workdir.rglob("*"))
-    with _WorkdirLock(workdir):  # another run holds the workdir
+    with WorkdirLock(workdir):  # another run holds the workdir
         before = snapshot()
         capsys.readouterr()
         assert train_lm.main([*args, "--steps", "4", "--workdir", str(workdir)]) == 2
@@ -319,14 +320,14 @@ def test_signals_outside_the_loop_leave_a_consistent_run(tmp_path, capsys, monke
     summary) the run completes as if no signal had come: exit 0, stopped_by null."""
     import os as os_
 
-    import jaxamp.train as train_mod
+    import jaxamp.lm.train as train_mod
 
     corpus = _small_corpus(tmp_path / "corpus.txt")
     args = [*_quick(corpus), "--steps", "3", "--workdir", str(tmp_path / "run")]
     term = lambda: os_.kill(os_.getpid(), signal.SIGTERM)
     if when == "before the first step":
-        original = train_mod._resume
-        monkeypatch.setattr(train_mod, "_resume", lambda run, ckpt: (term(), original(run, ckpt))[1])
+        original = train_mod.resume_state
+        monkeypatch.setattr(train_mod, "resume_state", lambda run, ckpt: (term(), original(run, ckpt))[1])
     elif when == "during the last step":
         original = train_mod._Loop.step
         monkeypatch.setattr(train_mod._Loop, "step",
@@ -528,7 +529,7 @@ def test_second_sigint_exits_at_once():
     flight stays in orbax's tmp folder, which restores ignore: see test_checkpoint's kill -9 test)."""
     code = """
 import os, signal, sys, time
-from jaxamp.train import StopRequest
+from jaxamp.lm.stopping import StopRequest
 with StopRequest() as stop:
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.2)

@@ -1,0 +1,175 @@
+"""Steps 1-5 of `train_step`: the compute-dtype params -> the scaled float32 loss -> its gradient -> unscaled float32,
+averaged over micro-batches. Pure and jit-able; `jaxamp.step` adds the finite check, the update and the loss scale,
+`jaxamp.fidelity` calls it twice (mixed precision and float32).
+
+A stateful loss (`jaxamp.nnx`'s BatchNorm statistics and RNG counts) runs through the micro-batches as a `carry`:
+`loss_fn(params, batch, rng, carry) -> (loss | (loss, aux), new_carry)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp import fp8_collection as fp8c
+from jaxamp.grad_stats import underflow_stats
+from jaxamp.state import TrainState
+from jaxamp.trainable import merge_frozen, split_frozen
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree, Any], Any]
+
+__all__ = ["Grads", "LossFn", "gradients", "split_loss"]
+
+
+def split_loss(out) -> tuple[jax.Array, Any]:
+    """`loss_fn` returns a scalar loss or `(loss, aux)`; returns `(f32[] loss, aux or None)`.
+
+    Raises:
+      ValueError: anything else (a list, a dict, a 3-tuple, None, a non-scalar or a non-float loss).
+    """
+    if isinstance(out, tuple) and len(out) != 2 or isinstance(out, (list, dict)) or out is None:
+        what = f"a {len(out)}-tuple" if isinstance(out, tuple) else type(out).__name__
+        raise ValueError(f"loss_fn must return a scalar loss or a (loss, aux) tuple, got {what}; put everything "
+                         "besides the loss into aux, e.g. return loss, {'accuracy': acc}")
+    loss, aux = out if isinstance(out, tuple) else (out, None)
+    loss = jnp.asarray(loss)
+    if loss.shape != ():
+        raise ValueError(f"loss_fn must return a scalar loss (or (loss, aux)), got shape {loss.shape}")
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(f"loss_fn must return a real floating-point loss, got {loss.dtype} (an integer loss has no "
+                         "gradient; a complex one has no order)")
+    return loss.astype(jnp.float32), aux
+
+
+class Grads(NamedTuple):
+    """The gradients of one step, before the finite check."""
+
+    grads: PyTree  # float32, unscaled, like the trainable params (None at frozen leaves)
+    loss: jax.Array  # f32[] unscaled mean loss
+    aux: Any  # loss_fn's aux (stacked [accum_steps, ...] under accumulation) or None
+    stats: Any  # underflow_stats dict (averaged over micro-batches; min headroom) or None
+    fp8: Any = None  # the FP8 collection's new values (float32, loss-scale free), or None without FP8 ops
+    carry: Any = None  # a stateful loss_fn's state after the step's micro-batches, or None
+
+
+def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
+    """Scaled loss -> gradients w.r.t. the trainable compute-dtype params (still scaled, in the compute dtype), the
+    FP8 collection's new values (loss-scale free) and, for a stateful `loss_fn`, its new state.
+
+    `params_c` is `(trainable, frozen, fp8)`: frozen leaves enter the loss as constants; the FP8 collection (None
+    without FP8 ops) is "differentiated" too, since Flax's FP8 ops return its new values as its gradient
+    (`jaxamp.fp8_collection`).
+    """
+    train_c, frozen_c, fp8 = params_c
+
+    def scaled_loss(train, fp8_scaled, frozen_c, batch, rng, carry, loss_scale):
+        params = fp8c.merge_fp8(merge_frozen(train, frozen_c), fp8c.loss_input(fp8_scaled))
+        if carry is None:
+            out, new_carry = loss_fn(params, batch, rng), None
+        else:
+            out, new_carry = loss_fn(params, batch, rng, carry)
+        loss, aux = split_loss(out)
+        return loss_scale.scale(loss), (loss, aux, new_carry)
+
+    grad_fn = fp8c.differentiable(jax.grad(scaled_loss, argnums=(0, 1), has_aux=True), fp8)
+    (grads_c, fp8_grad), (loss, aux, new_carry) = grad_fn(
+        train_c, fp8c.scaled(fp8, loss_scale), frozen_c, batch, rng, carry, loss_scale)
+    return grads_c, loss, fp8c.as_float32(aux), fp8c.new_values(fp8_grad, loss_scale), new_carry
+
+
+def split_micro(batch: PyTree, accum_steps: int) -> PyTree:
+    """Every leaf `[batch, ...]` -> `[accum_steps, batch // accum_steps, ...]`; every leaf must share `batch`.
+
+    Micro-batch i holds rows i, i + accum_steps, ... (strided): under a batch sharded by rows every device holds
+    its share of every micro-batch, so no rows move between devices.
+
+    Raises:
+      ValueError: the leaves differ in leading size, or `accum_steps` does not divide it.
+    """
+    shapes = {jax.tree_util.keystr(path): jnp.shape(x) for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]}
+    if len({shape[:1] for shape in shapes.values()}) > 1:
+        listed = ", ".join(f"batch{name}: {shape}" for name, shape in list(shapes.items())[:6])
+        raise ValueError(f"accum_steps={accum_steps} splits every batch leaf along its leading (batch) axis, so every "
+                         f"leaf needs the same leading size; got {listed}. Keep per-step constants such as class "
+                         "weights out of the batch (e.g. close over them in loss_fn)")
+    for name, shape in shapes.items():
+        if not shape or shape[0] % accum_steps:
+            raise ValueError(f"accum_steps={accum_steps} must divide the batch's leading axis, but batch{name} has "
+                             f"shape {shape}")
+
+    def split(x):
+        x = jnp.asarray(x)
+        x = x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:])  # [micro_batch, accum, ...]
+        return jnp.swapaxes(x, 0, 1)  # [accum, micro_batch, ...]
+
+    return jax.tree.map(split, batch)
+
+
+def gradients(state: TrainState, batch: PyTree, loss_fn: Callable, loss_scale, rng: jax.Array, accum_steps: int = 1,
+              with_stats: bool = False, carry: PyTree = None) -> Grads:
+    """Float32 unscaled gradients of `state`'s trainable params under its policy, scaled by `loss_scale`.
+
+    Steps 1-5 of `train_step`: cast the master params to the compute dtype, the loss in float32, times the loss
+    scale, the gradient with respect to the compute-dtype params, unscaled in float32; with `accum_steps` > 1 per
+    micro-batch (one `lax.scan`, a float32 accumulator), averaged. The FP8 collection's new values combine over
+    micro-batches by element-wise maximum. A stateful `loss_fn`'s `carry` runs through the micro-batches in order.
+
+    Args:
+      state: the `TrainState` (its params, policy and trainable mask).
+      batch: as `train_step` takes it.
+      loss_fn: `loss_fn(params, batch, rng)`, or `loss_fn(params, batch, rng, carry)` with a `carry`.
+      loss_scale: the loss scale to compute with (the state's, or a backed-off one when retrying).
+      rng: the step's key (folded with the micro-batch index under accumulation).
+      accum_steps: micro-batches.
+      with_stats: also return `jaxamp.grad_stats.underflow_stats` of the scaled gradients.
+      carry: the stateful loss's state, or None.
+
+    Returns:
+      A `Grads`.
+    """
+    regular, fp8 = fp8c.split_fp8(state.params)
+    train_c, frozen_c = split_frozen(state.policy.cast_to_compute(regular), state.trainable)
+    params_c = (train_c, frozen_c, fp8)
+    stats_of = underflow_stats if with_stats else (lambda g: None)
+    if accum_steps == 1:
+        grads_c, loss, aux, fp8_new, carry = _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry)
+        return Grads(loss_scale.unscale(grads_c), loss, aux, stats_of(grads_c), fp8_new, carry)
+
+    def body(scan_carry, xs):
+        acc, loss_sum, stats_acc, fp8_acc, carry = scan_carry
+        micro, i = xs
+        grads_c, loss, aux, fp8_new, carry = _micro_grads(loss_fn, loss_scale, params_c, micro,
+                                                          jax.random.fold_in(rng, i), carry)
+        acc = jax.tree.map(jnp.add, acc, loss_scale.unscale(grads_c))
+        stats = stats_of(grads_c)
+        if stats is not None:
+            stats = stats if stats_acc is None else _combine_stats(stats_acc, stats)
+        return (acc, loss_sum + loss, stats, fp8c.combine(fp8_acc, fp8_new), carry), aux
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), state.trainable_params())
+    (acc, loss_sum, stats, fp8_new, carry), aux = jax.lax.scan(
+        body, (zeros, jnp.zeros((), jnp.float32), _initial_stats(train_c, with_stats), fp8c.zeros_like(fp8), carry),
+        (split_micro(batch, accum_steps), jnp.arange(accum_steps)))
+    if stats is not None:
+        stats = {k: (jax.tree.map(lambda v: v / accum_steps, v) if "zero" in k else v) for k, v in stats.items()}
+    grads = jax.tree.map(lambda g: g / accum_steps, acc)
+    return Grads(grads, loss_sum / accum_steps, aux, stats, fp8_new, carry)
+
+
+def _initial_stats(train_c: PyTree, with_stats: bool):
+    """The accumulator of `underflow_stats` over micro-batches: zero fractions at 0 (sums), headroom at +inf
+    (minima); None without stats."""
+    if not with_stats:
+        return None
+    shapes = jax.eval_shape(underflow_stats, train_c)
+    return {k: jax.tree.map(lambda s, k=k: jnp.full(s.shape, 0.0 if "zero" in k else jnp.inf, s.dtype), v)
+            for k, v in shapes.items()}
+
+
+def _combine_stats(acc: dict, new: dict) -> dict:
+    """Running sums of zero fractions and minima of headroom over micro-batches."""
+    return {k: jax.tree.map(jnp.add if "zero" in k else jnp.minimum, acc[k], new[k]) for k in acc}
