@@ -1,5 +1,6 @@
 """jaxamp: mixed-precision training for JAX (float16/bfloat16 compute, float32 master weights, loss scaling)."""
 
+from jaxamp.audit import PrecisionReport, PrecisionWarning, precision_audit
 from jaxamp.finite import all_finite, finite_leaves
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp.precision import PRESETS, Policy, get_policy
@@ -14,11 +15,14 @@ __all__ = [
     "NoOpLossScale",
     "PRESETS",
     "Policy",
+    "PrecisionReport",
+    "PrecisionWarning",
     "StaticLossScale",
     "TrainState",
     "all_finite",
     "eval_step",
     "finite_leaves",
     "get_policy",
+    "precision_audit",
     "train_step",
 ]

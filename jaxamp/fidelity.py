@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 
-from jaxamp.fp8_collection import split_fp8
+from jaxamp.fp8_collection import merge_fp8, split_fp8
 from jaxamp.fp8_report import fp8_bypassed
 from jaxamp.gradients import LossFn, gradients
 from jaxamp.loss_scale import NoOpLossScale
@@ -26,7 +26,8 @@ from jaxamp.step import check_options
 
 PyTree = Any
 
-__all__ = ["errors", "grad_fidelity", "gradient_pair", "worst"]
+__all__ = ["NEAR_ZERO", "errors", "fidelity_report", "global_errors", "grad_fidelity", "gradient_pair", "near_zero",
+           "worst"]
 _F32 = jmp.Policy(jnp.float32, jnp.float32, jnp.float32)
 
 
@@ -82,17 +83,91 @@ def gradient_pair(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
     check_options(loss_fn, accum_steps, caller="grad_fidelity")
     rng = jax.random.fold_in(state.rng, state.step)
     mixed = gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, False, carry).grads
-    reference = state.replace(policy=_F32)
+    return mixed, _reference(state, batch, loss_fn, rng, accum_steps, reference_loss_fn, carry)
+
+
+def _reference(state, batch, loss_fn, rng, accum_steps, reference_loss_fn, carry, params=None) -> PyTree:
+    """The float32 gradient of the same batch and rng (at `params` instead of the state's, if given)."""
+    reference = state.replace(policy=_F32, params=state.params if params is None else params)
     if reference_loss_fn is not None:
-        reference = reference.replace(params=split_fp8(state.params)[0])
+        reference = reference.replace(params=split_fp8(reference.params)[0])
     elif split_fp8(state.params)[1] is not None:
         reference_loss_fn = _without_fp8(loss_fn)
     # Full float32 matmuls (not TF32 on a GPU). Also part of jit's cache key: a jitted function inside loss_fn is
     # traced again for the reference, so its FP8 ops are bypassed there, and its cached FP8 trace stays as it was.
     with jax.default_matmul_precision("highest"):
-        exact = gradients(reference, batch, reference_loss_fn or loss_fn, NoOpLossScale(), rng, accum_steps,
-                           False, carry).grads
-    return mixed, exact
+        return gradients(reference, batch, reference_loss_fn or loss_fn, NoOpLossScale(), rng, accum_steps,
+                         False, carry).grads
+
+
+def fidelity_report(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_steps: int = 1,
+                    reference_loss_fn: LossFn | None = None, noise_floor: bool = False,
+                    carry: PyTree = None) -> dict:
+    """`grad_fidelity` with what it takes to read it: each leaf's error relative to its own float32 gradient and
+    to the whole gradient's norm, which leaves have a float32 gradient near zero beside the others, and optionally
+    each leaf's noise floor.
+
+    A leaf whose true gradient is about 0 (a bias just before a normalisation, an attention key bias: a softmax
+    ignores a per-row shift) has a meaningless relative error (rounding noise over a tiny norm, 1e2-1e8 %): it is
+    marked `near_zero` (its float32 gradient's RMS below `NEAR_ZERO` times the whole gradient's RMS) and `worst`
+    passes it over. The error relative to the global norm, `||g_leaf - ref_leaf|| / ||ref||`, stays meaningful for
+    every leaf. Jit-able; costs two (three with `noise_floor`) forward and backward passes.
+
+    Args:
+      state, batch, loss_fn, accum_steps, reference_loss_fn: as for `grad_fidelity`.
+      noise_floor: also compute each leaf's relative error between the float32 gradient at the master weights and
+        the float32 gradient at the weights rounded once to the compute dtype: what rounding the weights alone
+        costs (an ill-conditioned model at init moves a lot from that alone).
+      carry: a stateful loss's state (`jaxamp.nnx`), as for `gradient_pair`.
+
+    Returns:
+      `{"rel_err": {path: f32[]}, "global_rel_err": {path: f32[]}, "near_zero": {path: bool[]},
+      "noise_floor": {path: f32[]} (with `noise_floor`)}`, keyed as `grad_fidelity`'s result.
+
+    Raises:
+      ValueError: as `grad_fidelity`.
+    """
+    mixed, exact = gradient_pair(state, batch, loss_fn, accum_steps=accum_steps,
+                                 reference_loss_fn=reference_loss_fn, carry=carry)
+    report = {"rel_err": errors(mixed, exact), "global_rel_err": global_errors(mixed, exact),
+              "near_zero": near_zero(exact)}
+    if noise_floor:
+        rng = jax.random.fold_in(state.rng, state.step)
+        regular, fp8 = split_fp8(state.params)
+        compute = state.policy.compute_dtype
+        rounded = jax.tree.map(lambda p: p.astype(compute).astype(p.dtype)
+                               if jnp.issubdtype(p.dtype, jnp.floating) else p, regular)
+        at_rounded = _reference(state, batch, loss_fn, rng, accum_steps, reference_loss_fn, carry,
+                                params=merge_fp8(rounded, fp8))
+        report["noise_floor"] = errors(at_rounded, exact)
+    return report
+
+
+# A leaf's float32 gradient RMS below this fraction of the whole gradient's RMS counts as near zero.
+NEAR_ZERO = 1e-3
+
+
+def near_zero(exact: PyTree) -> dict[str, jax.Array]:
+    """`{leaf path: bool[]}`: True where the leaf's float32 gradient RMS is below `NEAR_ZERO` times the RMS of the
+    whole gradient (all leaves together)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(exact)
+    size = sum(max(g.size, 1) for _, g in flat) or 1
+    total = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for _, g in flat)
+    global_rms = jnp.sqrt(total / size)
+    return {leaf_path(path): jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))) / max(g.size, 1))
+            < NEAR_ZERO * global_rms for path, g in flat}
+
+
+def global_errors(mixed: PyTree, exact: PyTree) -> dict[str, jax.Array]:
+    """`{leaf path: f32[] ||g_leaf - ref_leaf|| / ||ref||}`: each leaf's error relative to the whole float32
+    gradient's norm (inf where the leaf is not finite)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(mixed)
+    refs = jax.tree.leaves(exact)
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(r)) for r in refs))
+    safe = jnp.where(norm > 0, norm, 1.0)
+    return {leaf_path(path): jnp.where(jnp.all(jnp.isfinite(g)), jnp.sqrt(jnp.sum(jnp.square(g - r))) / safe,
+                                       jnp.inf).astype(jnp.float32)
+            for (path, g), r in zip(flat, refs)}
 
 
 def _without_fp8(loss_fn: LossFn) -> LossFn:
@@ -118,7 +193,9 @@ def _rel_err(g: jax.Array, ref: jax.Array) -> jax.Array:
     return jnp.where(jnp.all(jnp.isfinite(g)), err, jnp.inf).astype(jnp.float32)
 
 
-def worst(errors: dict, k: int = 3) -> list[tuple[str, float]]:
-    """The `k` leaves with the largest errors (host floats), largest first."""
-    host = {name: float(value) for name, value in jax.device_get(errors).items()}
+def worst(errors: dict, k: int = 3, near_zero: dict | None = None) -> list[tuple[str, float]]:
+    """The `k` leaves with the largest errors (host floats), largest first; leaves marked in `near_zero` (see
+    `fidelity_report`) are passed over."""
+    skip = {name for name, flag in jax.device_get(near_zero or {}).items() if bool(flag)}
+    host = {name: float(value) for name, value in jax.device_get(errors).items() if name not in skip}
     return sorted(host.items(), key=lambda kv: -kv[1])[:k]

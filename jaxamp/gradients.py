@@ -16,13 +16,14 @@ import jax.numpy as jnp
 
 from jaxamp import fp8_collection as fp8c
 from jaxamp.grad_stats import underflow_stats
+from jaxamp.precision import uses_autocast
 from jaxamp.state import TrainState
 from jaxamp.trainable import merge_frozen, split_frozen
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, Any], Any]
 
-__all__ = ["Grads", "LossFn", "gradients", "split_loss"]
+__all__ = ["Grads", "LossFn", "compute_loss", "gradients", "split_loss"]
 
 
 def split_loss(out) -> tuple[jax.Array, Any]:
@@ -81,6 +82,16 @@ def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
     return grads_c, loss, fp8c.as_float32(aux), fp8c.new_values(fp8_grad, loss_scale), new_carry
 
 
+def compute_loss(policy, loss_fn: Callable) -> Callable:
+    """`loss_fn` as the policy runs it on its compute copy of the params: as it is (the params arrive cast), or
+    under `jaxamp.autocast.autocast` with the compute dtype for an autocast policy (the params arrive float32)."""
+    if not uses_autocast(policy):
+        return loss_fn
+    from jaxamp.autocast import autocast  # pylint: disable=import-outside-toplevel  (the interpreter loads lazily)
+
+    return autocast(loss_fn, policy.compute_dtype)
+
+
 def split_micro(batch: PyTree, accum_steps: int) -> PyTree:
     """Every leaf `[batch, ...]` -> `[accum_steps, batch // accum_steps, ...]`; every leaf must share `batch`.
 
@@ -131,6 +142,7 @@ def gradients(state: TrainState, batch: PyTree, loss_fn: Callable, loss_scale, r
     Returns:
       A `Grads`.
     """
+    loss_fn = compute_loss(state.policy, loss_fn)
     regular, fp8 = fp8c.split_fp8(state.params)
     train_c, frozen_c = split_frozen(state.policy.cast_to_compute(regular), state.trainable)
     params_c = (train_c, frozen_c, fp8)

@@ -45,7 +45,7 @@ import jmp
 import optax
 from flax.nnx.training.optimizer import OptArray, OptState, to_opt_state
 
-from jaxamp import fidelity, fp8_report
+from jaxamp import audit, fidelity, fp8_report
 from jaxamp.fp8_collection import FP8_COLLECTION, split_fp8
 from jaxamp.loss_scale import LossScale
 from jaxamp.nnx_fp8 import FP8_FILTER as _FP8
@@ -53,7 +53,8 @@ from jaxamp.nnx_fp8 import Fp8DotGeneral, Fp8Einsum, Fp8Meta, Fp8Op
 from jaxamp.state import TrainState
 from jaxamp.step import check_options, train_step_with_carry
 
-__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Meta", "Optimizer", "fp8_ranges", "grad_fidelity", "train_step"]
+__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Meta", "Optimizer", "fp8_ranges", "grad_fidelity", "precision_audit",
+           "train_step"]
 
 PyTree = Any
 _RNG = (2,)  # TrainState.rng's shape: unused here (randomness comes from the model's nnx.Rngs), kept constant
@@ -331,7 +332,7 @@ def _step_in_place(model, opt: Optimizer, batch, loss_fn, options: dict) -> dict
     rest = _pure(rest)
     state = opt.train_state(model)  # params: the `wrt` variables, and the FP8 ones under FP8_COLLECTION
     new_state, metrics, new_rest = train_step_with_carry(state, batch, _functional_loss(graphdef, loss_fn, trained),
-                                                         rest, **options)
+                                                         rest, caller="jaxamp.nnx.train_step", **options)
     _update_model(model, new_state.params, _keep_finite(new_rest, rest))
     opt._load(new_state)  # pylint: disable=protected-access
     return metrics
@@ -534,3 +535,25 @@ def fp8_ranges(model: nnx.Module, opt: Optimizer, batch: PyTree,
                          "(nnx.Linear(..., dot_general=Fp8DotGeneral())) or Fp8Einsum")
     return fp8_report.ranges_table(*fp8_report.run_capture(_capture, graphdef, trained, loss_fn, state, fp8, rest,
                                                            batch))
+
+
+def precision_audit(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callable[[nnx.Module, PyTree], Any], *,
+                    accum_steps: int = 1) -> audit.PrecisionReport:
+    """`jaxamp.precision_audit` for an NNX model: traces (does not run) the gradient computation
+    `train_step(model, opt, batch, loss_fn)` would run and reports what runs in which precision, forward and
+    backward. Nothing in the model or the optimizer changes.
+
+    Args:
+      model, opt, batch, loss_fn, accum_steps: as for `train_step`.
+
+    Returns:
+      A `jaxamp.audit.PrecisionReport`.
+
+    Raises:
+      ValueError: `model` is not an NNX module or `opt` not a `jaxamp.nnx.Optimizer` built for it.
+    """
+    _check_call(model, opt, loss_fn)
+    graphdef, trained, state, fp8, rest = _split(model, opt)
+    check_options(loss_fn, accum_steps, caller="jaxamp.nnx.precision_audit")
+    return audit.precision_audit(state, batch, _functional_loss(graphdef, loss_fn, trained, fp8),
+                                 accum_steps=accum_steps, carry=rest)

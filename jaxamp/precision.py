@@ -25,13 +25,20 @@ import jmp
 
 PyTree = Any
 
-__all__ = ["PRESETS", "Policy", "auto_precision", "get_policy", "leaf_path", "needs_loss_scaling", "policy_name",
-           "uses_fp8"]
+__all__ = ["PRESETS", "Policy", "auto_precision", "get_policy", "keep_matches", "leaf_path", "needs_loss_scaling",
+           "policy_name", "uses_autocast", "uses_fp8"]
 
 
 def leaf_path(path) -> str:
     """A `tree_flatten_with_path` path as `"a/b/0"`, the form `keep_float32` and `trainable` patterns match."""
     return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def keep_matches(path: str, patterns) -> bool:
+    """Whether `path` (a `leaf_path`) matches one of the `keep_float32` `fnmatch` patterns, as it is or without a
+    box's trailing `/value`."""
+    paths = (path, path[: -len("/value")]) if path.endswith("/value") else (path,)
+    return any(fnmatch.fnmatchcase(p, pattern) for p in paths for pattern in patterns)
 
 
 def _patterns(keep_float32) -> tuple[str, ...]:
@@ -58,27 +65,39 @@ class Policy(jmp.Policy):
     gradients, delayed per-tensor scaling: `jaxamp.layers.Dense(fp8=True)`); it changes no cast here. The `"fp8"`
     preset is float32 master weights, bfloat16 compute and FP8 matmuls.
 
-    Build it with `get_policy(spec, keep_float32=("*embedding",))` or `get_policy("fp8")`; `policy_name` writes it as
-    `"bf16;keep_float32=*embedding"`, `"fp8"` or `"fp16;fp8"`, which `get_policy` parses back.
+    `autocast` says that the params are not cast at all: `loss_fn` receives the float32 master weights and runs under
+    `jaxamp.autocast.autocast(loss_fn, compute_dtype)` (torch.amp's autocast: matmuls and convolutions in the
+    compute dtype, exponentials, logarithms, norms, sums and losses in float32, everything else in the widest type
+    of its inputs), so unchanged float32 model code computes in half precision with float32 sums.
+
+    Build it with `get_policy(spec, keep_float32=("*embedding",))`, `get_policy("bf16", autocast=True)` or
+    `get_policy("fp8")`; `policy_name` writes it as `"bf16;keep_float32=*embedding"`, `"bf16;autocast"`, `"fp8"` or
+    `"fp16;fp8"`, which `get_policy` parses back.
 
     Attributes:
       keep_float32: `fnmatch` patterns over leaf paths, e.g. `("*/embedding",)` for every Flax `nn.Embed` table;
         `TrainState.create` and `with_policy` refuse a pattern that matches no leaf of their params.
       fp8: the model's Dense matmuls run in FP8 (a flag for the model; see `uses_fp8`).
+      autocast: `loss_fn` runs under `jaxamp.autocast` on the uncast master weights (see `uses_autocast`).
     """
 
     keep_float32: tuple[str, ...] = ()
     fp8: bool = False
+    autocast: bool = False
 
     def __post_init__(self) -> None:
         # A string would be read as one pattern per character, and "*" keeps every leaf float32.
         object.__setattr__(self, "keep_float32", _patterns(self.keep_float32))
 
     def keeps(self, path: str) -> bool:
-        """Whether the leaf at `path` (as `leaf_path` writes it) stays float32 in the compute copy."""
-        return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.keep_float32)
+        """Whether the leaf at `path` (as `leaf_path` writes it) stays float32 in the compute copy. A boxed param
+        (`nn.with_logical_partitioning`, `nn.Partitioned`: its path ends in `/value`) matches with or without
+        that last part."""
+        return keep_matches(path, self.keep_float32)
 
     def cast_to_compute(self, x: PyTree) -> PyTree:
+        if self.autocast:  # the master weights as they are: autocast casts at each matmul
+            return x
         if not self.keep_float32:
             return super().cast_to_compute(x)
 
@@ -100,19 +119,23 @@ PRESETS: dict[str, jmp.Policy] = {
 }
 
 _JMP_FORMS = ('"params=float32,compute=float16,output=float32"', '"p=f32,c=bf16"', 'a dtype name such as "float32"')
-_RULES = "';keep_float32=PATTERN,PATTERN' and ';fp8'"
+_RULES = "';keep_float32=PATTERN,PATTERN', ';autocast' and ';fp8'"
 
 
-def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[str] = ()) -> jmp.Policy:
+def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[str] = (),
+               autocast: bool = False) -> jmp.Policy:
     """Returns the precision policy named by `spec`.
 
     Args:
       spec: a preset (`"fp32"`, `"bf16"`, `"fp16"`, `"fp8"`), `"auto"` (see `auto_precision`), any policy string that
         `jmp.get_policy` parses (e.g. `"params=float32,compute=float16,output=float32"` or `"p=f32,c=bf16"`; jmp's
         rule applies: an unnamed output dtype follows the compute dtype), any of these followed by rules
-        `";fp8"` and `";keep_float32=PATTERN,PATTERN"` (what `policy_name` writes), or a `jmp.Policy`.
+        `";fp8"`, `";autocast"` and `";keep_float32=PATTERN,PATTERN"` (what `policy_name` writes), or a
+        `jmp.Policy`.
       keep_float32: `fnmatch` patterns of leaves that stay float32 in the compute copy (see `Policy`), added to
         those of `spec`.
+      autocast: hand `loss_fn` the float32 master weights and run it under `jaxamp.autocast` with the compute dtype
+        (recorded in the name: `"bf16;autocast"`); not with `keep_float32` (nothing is cast to keep).
 
     Returns:
       A `jmp.Policy` whose `cast_to_compute` casts the float32 master weights to the compute dtype: a `Policy`
@@ -120,7 +143,8 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
 
     Raises:
       ValueError: the name is neither a preset nor a jmp policy string, or a rule is unknown (the message lists the
-        accepted forms), or `keep_float32` is not a sequence of non-empty strings.
+        accepted forms), `keep_float32` is not a sequence of non-empty strings, or autocast is asked for with
+        `keep_float32` or a float32 compute dtype.
     """
     _patterns(keep_float32)
     fp8 = False
@@ -130,6 +154,8 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
             name, _, patterns = rule.partition("=")
             if rule == "fp8":
                 fp8 = True
+            elif rule == "autocast":
+                autocast = True
             elif name.strip() == "keep_float32" and patterns.strip():
                 keep_float32 = (*[p.strip() for p in patterns.split(",") if p.strip()], *keep_float32)
             else:
@@ -137,9 +163,27 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
     base = _base_policy(spec)
     keep = tuple(dict.fromkeys((*getattr(base, "keep_float32", ()), *keep_float32)))  # in order, once each
     fp8 = fp8 or getattr(base, "fp8", False)
-    if not keep and not fp8:
+    autocast = bool(autocast or getattr(base, "autocast", False))
+    if autocast:
+        _check_autocast(base, keep)
+    if not keep and not fp8 and not autocast:
         return base
-    return Policy(base.param_dtype, base.compute_dtype, base.output_dtype, keep_float32=keep, fp8=fp8)
+    return Policy(base.param_dtype, base.compute_dtype, base.output_dtype, keep_float32=keep, fp8=fp8,
+                  autocast=autocast)
+
+
+def _check_autocast(base: jmp.Policy, keep: tuple) -> None:
+    if keep:
+        raise ValueError(f"autocast hands loss_fn the float32 master weights uncast, so keep_float32 {keep} has "
+                         "nothing to keep: drop keep_float32 (autocast keeps lookups and sums float32 by itself)")
+    if not jnp.issubdtype(base.compute_dtype, jnp.floating) or jnp.finfo(base.compute_dtype).bits >= 32:
+        raise ValueError(f"autocast computes matmuls in a half-precision dtype, but this policy computes in "
+                         f"{jnp.dtype(base.compute_dtype).name}: use 'bf16;autocast' or 'fp16;autocast'")
+
+
+def uses_autocast(policy: jmp.Policy) -> bool:
+    """Whether `policy` runs `loss_fn` under `jaxamp.autocast` (`get_policy(..., autocast=True)`, `";autocast"`)."""
+    return bool(getattr(policy, "autocast", False))
 
 
 def uses_fp8(policy: jmp.Policy) -> bool:
@@ -170,12 +214,15 @@ def _base_policy(spec: str | jmp.Policy) -> jmp.Policy:
 
 def policy_name(policy: jmp.Policy, *, rules: bool = True) -> str:
     """Returns the preset name of `policy` if it is one, else jmp's short form (e.g. `"p=f32,c=f16,o=f16"` for
-    `get_policy("float16")`; jmp writes float32 as `full` in some forms); `"fp8"` or `";fp8"` for FP8 matmuls; and
+    `get_policy("float16")`; jmp writes float32 as `full` in some forms); `"fp8"` or `";fp8"` for FP8 matmuls,
+    `";autocast"` for autocast (both kept with `rules=False`: they change what computes in which precision); and
     `";keep_float32=..."` for that rule unless `rules=False`. `get_policy(policy_name(p)) == p`."""
     base = jmp.Policy(policy.param_dtype, policy.compute_dtype, policy.output_dtype)
     name = next((n for n, preset in PRESETS.items() if preset == base), str(base))
     if uses_fp8(policy):
         name = "fp8" if base == PRESETS["bf16"] else f"{name};fp8"
+    if uses_autocast(policy):
+        name = f"{name};autocast"
     keep = getattr(policy, "keep_float32", ())
     return f"{name};keep_float32={','.join(keep)}" if rules and keep else name
 

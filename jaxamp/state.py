@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +15,7 @@ import optax
 from jaxamp.fp8_collection import check_policy as _check_fp8_policy
 from jaxamp.fp8_collection import merge_fp8, split_fp8
 from jaxamp.loss_scale import LossScale
-from jaxamp.precision import get_policy, leaf_path
+from jaxamp.precision import get_policy, keep_matches, leaf_path
 from jaxamp.trainable import split_frozen, trainable_mask
 
 PyTree = Any
@@ -226,11 +225,16 @@ def _check_policy(policy) -> jmp.Policy:
 def _check_keep_float32(policy: jmp.Policy, params: PyTree) -> None:
     """Raises when one of the policy's `keep_float32` patterns matches no leaf of `params`: a typo, or a pattern
     written for another layout (e.g. `"wte/embedding"` for a variables dict, whose paths are `"params/wte/..."`),
-    would otherwise leave that leaf in the compute dtype without a word."""
+    would otherwise leave that leaf in the compute dtype without a word. The message suggests a pattern that
+    matches the leaves the pattern was probably meant for."""
     paths = [leaf_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     for pattern in getattr(policy, "keep_float32", ()):
-        if not any(fnmatch.fnmatchcase(path, pattern) for path in paths):
-            tail = pattern.rsplit("/", 1)[-1].strip("*")
-            near = [p for p in paths if tail and tail in p][:3] or paths[:3]
-            raise ValueError(f"keep_float32 pattern {pattern!r} matches no params leaf, so no leaf stays float32 "
-                             f"by it; patterns match whole paths such as {near} (e.g. '*/embedding'): fix or drop it")
+        if any(keep_matches(path, (pattern,)) for path in paths):
+            continue
+        tail = pattern.rsplit("/", 1)[-1].strip("*")
+        near = [p.removesuffix("/value") for p in paths if tail and tail in p][:3]
+        example = near[0] if near else (paths[0].removesuffix("/value") if paths else "")
+        hint = f"; {'*/' + example.rsplit('/', 1)[-1]!r} would match {example!r}" if example else ""
+        raise ValueError(f"keep_float32 pattern {pattern!r} matches no params leaf, so no leaf stays float32 by it; "
+                         f"patterns match whole paths such as {near or paths[:3]}{hint}: fix or drop it")
+

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp import finite
+from jaxamp import audit, finite
 from jaxamp import fp8_collection as fp8c
 from jaxamp.fp8_collection import merge_fp8, split_fp8
-from jaxamp.gradients import LossFn, gradients, split_loss
+from jaxamp.gradients import LossFn, compute_loss, gradients, split_loss
 from jaxamp.metrics import step_metrics
 from jaxamp.state import TrainState
 from jaxamp.trainable import merge_frozen, split_frozen
@@ -147,7 +147,8 @@ def train_step(
 
 def train_step_with_carry(state: TrainState, batch: PyTree, loss_fn: Callable, carry: PyTree, *,
                           accum_steps: int = 1, on_overflow: str = "skip", max_retries: int = 4,
-                          underflow_stats: bool = False) -> tuple[TrainState, dict, PyTree]:
+                          underflow_stats: bool = False, caller: str = "train_step"
+                          ) -> tuple[TrainState, dict, PyTree]:
     """`train_step` for a stateful loss: the model state that is not differentiated runs through the step.
 
     The building block of `jaxamp.nnx.train_step` (BatchNorm statistics, RNG counts). `loss_fn(params, batch, rng,
@@ -165,6 +166,7 @@ def train_step_with_carry(state: TrainState, batch: PyTree, loss_fn: Callable, c
     """
     check_options(loss_fn, accum_steps, max_retries=max_retries, on_overflow=on_overflow,
                   underflow_stats=underflow_stats)
+    audit.check_step(state, batch, loss_fn, accum_steps, carry, where=caller)
     rng = jax.random.fold_in(state.rng, state.step)
     if on_overflow == "retry":
         loss_scale, g, check, retries, futile = _retry(state, batch, loss_fn, rng, accum_steps, underflow_stats,
@@ -238,5 +240,5 @@ def eval_step(state: TrainState, batch: PyTree, loss_fn: LossFn) -> dict:
     Returns:
       `{"loss": f32[]}`, plus `"aux"` when `loss_fn` returns one.
     """
-    loss, aux = split_loss(loss_fn(state.compute_params(), batch, None))
+    loss, aux = split_loss(compute_loss(state.policy, loss_fn)(state.compute_params(), batch, None))
     return {"loss": loss} if aux is None else {"loss": loss, "aux": aux}

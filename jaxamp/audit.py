@@ -1,0 +1,366 @@
+"""The precision audit: what a training step would run in which precision, read from its traced program.
+
+`precision_audit(state, batch, loss_fn)` traces (does not run) the step's gradient computation exactly as
+`train_step` would build it (the policy's casts or `autocast`, the loss scale, accumulation) and reads its jaxpr,
+forward and backward:
+
+- every matmul-class op (`dot_general`, `conv_general_dilated`): its operand and result dtypes, its FLOPs (times the
+  trip count of an enclosing `scan`), the pass it belongs to (backward ops carry `transpose(...)` in their name
+  stack) and the line of the user's code that issued it (the innermost frame outside JAX, Flax, Equinox, optax,
+  Hugging Face and jaxamp);
+- `half_fraction`: the share of those FLOPs whose operands are float16, bfloat16 or an FP8 type;
+- `fallbacks`: the matmuls that ran in float32 under a half-precision policy, and for the first one the op that made
+  its input float32 (found by walking the program back from its float32 operand to the first op that turned
+  half-precision values into float32, or to the float32 input it came from);
+- `half_accumulations`: sums, scatter-adds (lookup gradients) and cumulative ops that add more values in half
+  precision than the format absorbs: once a running sum is about 2^8 (bfloat16) or 2^11 (float16) times one
+  contribution, further ones round away (Micikevicius et al., 2018, accumulate in float32 for this reason).
+
+`train_step` calls `warn_if_degraded` when it is traced under a half-precision policy: one `PrecisionWarning` per
+compilation when under 90% of the matmul FLOPs run in half precision or a half-precision accumulation passes its
+format's limit, naming the largest source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import source_info_util
+
+from jaxamp.gradients import gradients
+from jaxamp.precision import policy_name
+
+PyTree = Any
+
+__all__ = ["ABSORB_LIMIT", "PrecisionReport", "PrecisionWarning", "audit_jaxpr", "precision_audit",
+           "warn_if_degraded"]
+
+_MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+_SUMS = ("reduce_sum", "cumsum", "cumlogsumexp", "cumprod", "reduce_prod")
+_SCATTER_ADDS = ("scatter-add", "scatter_add")
+# Contributions a running sum in the format absorbs before the next ones round away (about 2^mantissa bits).
+ABSORB_LIMIT = {"bfloat16": 2**8, "float16": 2**11}
+_HALF_NAMES = ("float16", "bfloat16")
+_LIBRARIES = tuple(os.sep + name + os.sep for name in ("flax", "equinox", "optax", "transformers", "jaxamp", "jmp",
+                                                         "haiku", "orbax", "chex"))
+_CALLS = ("pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
+          "custom_vjp_call_jaxpr", "custom_lin")
+
+
+class PrecisionWarning(UserWarning):
+    """A half-precision policy that runs much of the step in float32, or sums in half precision past the format's
+    limit (see `jaxamp.audit`)."""
+
+
+def _is_half(dtype) -> bool:
+    name = jnp.dtype(dtype).name
+    return name in _HALF_NAMES or name.startswith("float8")
+
+
+def _dtype(v) -> str:
+    return jnp.dtype(v.aval.dtype).name if hasattr(v.aval, "dtype") else "?"
+
+
+def _where(eqn) -> tuple[str, str]:
+    """`(user's file:line, library frame or "")` of an equation: the innermost frame outside JAX and the libraries,
+    and the library's entry point the user called there (the outermost library frame inside it, e.g.
+    `flax/nnx/nn/normalization.py:BatchNorm.__call__`)."""
+    library = ""
+    for frame in source_info_util.user_frames(eqn.source_info.traceback):
+        name = frame.file_name
+        if any(lib in name for lib in _LIBRARIES):
+            library = f"{name.split(os.sep + 'site-packages' + os.sep)[-1]}:{frame.function_name}"
+            continue
+        return f"{os.path.basename(name)}:{frame.start_line}", library
+    return "?", library
+
+
+def _pass(eqn) -> str:
+    return "backward" if "transpose" in str(eqn.source_info.name_stack) else "forward"
+
+
+def _matmul_flops(eqn) -> int:
+    out = eqn.outvars[0].aval
+    if eqn.primitive.name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval
+        return 2 * math.prod(out.shape) * math.prod(lhs.shape[d] for d in lhs_contract)
+    if eqn.primitive.name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval
+        out_feature = eqn.params["dimension_numbers"].rhs_spec[0]
+        return 2 * math.prod(out.shape) * (math.prod(rhs.shape) // rhs.shape[out_feature])
+    return 2 * math.prod(out.shape) * eqn.invars[0].aval.shape[-1]
+
+
+def _summed(eqn) -> int:
+    """How many values one output element of a sum-like equation adds up."""
+    name = eqn.primitive.name
+    if name in ("reduce_sum", "reduce_prod"):
+        shape = eqn.invars[0].aval.shape
+        return math.prod(shape[a] for a in eqn.params["axes"])
+    if name in _SCATTER_ADDS:
+        updates = eqn.invars[2].aval.shape
+        window = eqn.params["dimension_numbers"].update_window_dims
+        return math.prod(s for i, s in enumerate(updates) if i not in window)
+    return eqn.invars[0].aval.shape[eqn.params["axis"]] if eqn.invars[0].aval.shape else 1
+
+
+def _sub_jaxprs(eqn):
+    """`(jaxpr, trip count)` of every sub-program of `eqn` (scan bodies run `length` times)."""
+    trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            jaxpr = getattr(item, "jaxpr", item)
+            if hasattr(jaxpr, "eqns"):
+                yield jaxpr, trips
+
+
+@dataclasses.dataclass
+class _Walk:
+    """Everything found in one traversal; `producer` maps a variable to the equation that made it (through calls)."""
+
+    rows: list = dataclasses.field(default_factory=list)
+    sums: list = dataclasses.field(default_factory=list)
+    producer: dict = dataclasses.field(default_factory=dict)
+    first_fallback: Any = None
+
+    def visit(self, jaxpr, trips: int, compute_half: bool) -> None:
+        for eqn in jaxpr.eqns:
+            for out in eqn.outvars:
+                self.producer[id(out)] = eqn
+            name = eqn.primitive.name
+            if name in _MATMULS:
+                self._matmul(eqn, trips, compute_half)
+            elif (name in _SUMS or name in _SCATTER_ADDS) and _dtype(eqn.outvars[0]) in ABSORB_LIMIT:
+                self._sum(eqn)
+            for sub, inner_trips in _sub_jaxprs(eqn):
+                if name in _CALLS:  # outputs of the call are the inner program's outputs
+                    for outer, inner in zip(eqn.outvars, sub.outvars):
+                        if hasattr(inner, "aval") and not hasattr(inner, "val"):
+                            self.producer.setdefault(("alias", id(outer)), inner)
+                    for outer, inner in zip(eqn.invars[len(eqn.invars) - len(sub.invars):], sub.invars):
+                        self.producer.setdefault(("input", id(inner)), outer)
+                self.visit(sub, trips * inner_trips, compute_half)
+
+    def _matmul(self, eqn, trips, compute_half) -> None:
+        lhs, rhs = _dtype(eqn.invars[0]), _dtype(eqn.invars[1])
+        source, library = _where(eqn)
+        row = {"source": source, "library": library, "primitive": eqn.primitive.name, "lhs": lhs, "rhs": rhs,
+               "out": _dtype(eqn.outvars[0]), "flops": _matmul_flops(eqn) * trips, "pass": _pass(eqn),
+               "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}"}
+        self.rows.append(row)
+        if compute_half and not (_is_half(eqn.invars[0].aval.dtype) and _is_half(eqn.invars[1].aval.dtype)):
+            if self.first_fallback is None:
+                self.first_fallback = (row, eqn)
+
+    def _sum(self, eqn) -> None:
+        size = _summed(eqn)
+        dtype = _dtype(eqn.outvars[0])
+        if size > ABSORB_LIMIT[dtype]:
+            source, library = _where(eqn)
+            self.sums.append({"source": source, "library": library, "primitive": eqn.primitive.name,
+                              "dtype": dtype, "size": size, "pass": _pass(eqn)})
+
+    def cause(self, eqn) -> str:
+        """The op that made `eqn`'s float32 operand float32, in one line: walking back along float32 values, the
+        first op with a half-precision input. A half-precision weight promoted to float32 by the layer itself (a
+        cast on the matmul's own line) is the consequence of a float32 input, not its cause: it is named only when
+        nothing else is found."""
+        own_source = _where(eqn)[0]
+        seen: set = set()
+        promotion = None
+        frontier = [v for v in eqn.invars if _is_var(v) and _dtype(v) == "float32"]
+        while frontier:
+            var = frontier.pop(0)
+            if id(var) in seen:
+                continue
+            seen.add(id(var))
+            step = self._through_calls(var)
+            if step is not None:
+                frontier.append(step)
+                continue
+            maker = self.producer.get(id(var))
+            if maker is None:
+                return f"a float32 input of the step ({var.aval.str_short()}) reached it unchanged"
+            floats = [v for v in maker.invars if _is_var(v) and jnp.issubdtype(v.aval.dtype, jnp.floating)]
+            if any(_is_half(v.aval.dtype) for v in floats):
+                source, library = _where(maker)
+                found = (f"{library} at {source}" if library else source) + \
+                    f" returned float32 from half-precision inputs ({maker.primitive.name})"
+                if source != own_source or maker.primitive.name != "convert_element_type":
+                    return found
+                promotion = promotion or found
+            frontier.extend(v for v in floats if _dtype(v) == "float32")
+        return promotion or "no half-precision value reached it (the model computes in float32 there)"
+
+    def _through_calls(self, var):
+        """The variable `var` stands for across a call boundary (a call's output -> the inner program's output; an
+        inner program's input -> the call's operand), or None."""
+        inner = self.producer.get(("alias", id(var)))
+        if inner is not None:
+            return inner
+        if id(var) not in self.producer:
+            return self.producer.get(("input", id(var)))
+        return None
+
+
+def _is_var(v) -> bool:
+    """A variable with an array type (not a literal)."""
+    return hasattr(v, "aval") and hasattr(v.aval, "dtype") and not hasattr(v, "val")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+    """What the audited step runs in which precision.
+
+    Attributes:
+      policy: the policy's name (e.g. `"bf16;autocast"`).
+      compute_dtype: the policy's compute dtype name.
+      half_fraction: share of matmul and convolution FLOPs (forward and backward) whose operands are both float16,
+        bfloat16 or FP8; 1.0 when the step has no matmul.
+      rows: one dict per matmul or convolution: `source` (`file.py:LINE` of the user's code), `library` (the
+        library frame that issued it, e.g. `flax/linen/linear.py:Dense.__call__`, or ""), `primitive`, `lhs`,
+        `rhs`, `out` (dtype names), `flops` (per step, times scan trip counts), `pass` (`"forward"` or
+        `"backward"`), `shape`.
+      fallbacks: the rows with a float32 operand under a half-precision policy; the first holds `cause` too.
+      half_accumulations: sums, scatter-adds and cumulative ops in half precision over more values than the format
+        absorbs (`ABSORB_LIMIT`): dicts with `source`, `library`, `primitive`, `dtype`, `size` (values added per
+        output element), `pass`.
+    """
+
+    policy: str
+    compute_dtype: str
+    half_fraction: float
+    rows: tuple
+    fallbacks: tuple
+    half_accumulations: tuple
+
+    def summary(self) -> str:
+        """One line: the half share, the fallbacks and half-precision sums, and the largest source of each."""
+        total = sum(r["flops"] for r in self.rows)
+        text = (f"precision audit ({self.policy}): {100 * self.half_fraction:.1f}% of {total / 1e9:.3g} GFLOP of "
+                f"matmuls in half precision")
+        if self.fallbacks:
+            worst = max(self.fallbacks, key=lambda r: r["flops"])
+            text += f"; {len(self.fallbacks)} in float32, largest at {worst['source']}"
+        if self.half_accumulations:
+            worst = max(self.half_accumulations, key=lambda r: r["size"])
+            text += (f"; {len(self.half_accumulations)} half-precision sums past the format's limit, largest "
+                     f"{worst['size']:,} values in {worst['dtype']} at {worst['source']}")
+        return text
+
+    def __str__(self) -> str:
+        """The summary, then the matmuls grouped by where they come from (largest FLOPs first), the first
+        fall-back's cause and the half-precision sums, as aligned columns for a terminal."""
+        groups: dict = {}
+        for r in self.rows:
+            key = (r["source"], r["library"], r["pass"], r["primitive"], r["lhs"], r["rhs"], r["out"])
+            count, flops = groups.get(key, (0, 0))
+            groups[key] = (count + 1, flops + r["flops"])
+        total = sum(r["flops"] for r in self.rows) or 1
+        rows = [(src, lib or "-", pas, f"{prim} x{count}", f"{lhs} x {rhs} -> {out}", f"{100 * flops / total:.1f}%")
+                for (src, lib, pas, prim, lhs, rhs, out), (count, flops)
+                in sorted(groups.items(), key=lambda kv: -kv[1][1])]
+        lines = [self.summary(), "", _columns(("source", "library", "pass", "op", "dtypes", "FLOPs"), rows)]
+        if self.fallbacks:
+            lines += ["", f"first float32 fall-back at {self.fallbacks[0]['source']}: {self.fallbacks[0]['cause']}"]
+        if self.half_accumulations:
+            sums = [(r["source"], r["library"] or "-", r["pass"], r["primitive"], r["dtype"], f"{r['size']:,}")
+                    for r in self.half_accumulations]
+            lines += ["", "half-precision sums past the format's limit:",
+                      _columns(("source", "library", "pass", "op", "dtype", "values"), sums)]
+        return "\n".join(lines)
+
+
+def _columns(header: tuple, rows: list) -> str:
+    """Rows of strings as left-aligned columns under a header."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*row).rstrip() for row in (header, *rows))
+
+
+def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype) -> PrecisionReport:
+    """The report of a traced step (`jax.make_jaxpr` of its gradient computation).
+
+    Args:
+      closed_jaxpr: the traced program.
+      policy: the policy's name, for the report.
+      compute_dtype: the policy's compute dtype: fall-backs are counted only when it is a half-precision type.
+
+    Returns:
+      A `PrecisionReport`.
+    """
+    compute_half = _is_half(compute_dtype)
+    walk = _Walk()
+    walk.visit(closed_jaxpr.jaxpr, 1, compute_half)
+    total = sum(r["flops"] for r in walk.rows)
+    half = sum(r["flops"] for r in walk.rows if _is_half(r["lhs"]) and _is_half(r["rhs"]))
+    fallbacks = [dict(r) for r in walk.rows if compute_half and not (_is_half(r["lhs"]) and _is_half(r["rhs"]))]
+    if fallbacks:
+        row, eqn = walk.first_fallback
+        fallbacks[0]["cause"] = walk.cause(eqn)
+    return PrecisionReport(policy=policy, compute_dtype=jnp.dtype(compute_dtype).name,
+                           half_fraction=half / total if total else 1.0, rows=tuple(walk.rows),
+                           fallbacks=tuple(fallbacks) if compute_half else (),
+                           half_accumulations=tuple(walk.sums))
+
+
+def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: str = "train_step") -> bool:
+    """One `PrecisionWarning` when a half-precision step runs under `threshold` of its matmul FLOPs in half
+    precision, or sums in half precision past the format's limit; returns whether it warned."""
+    if not _is_half(report.compute_dtype):
+        return False
+    problems = []
+    if report.half_fraction < threshold:
+        worst = max(report.fallbacks, key=lambda r: r["flops"]) if report.fallbacks else None
+        problems.append(f"only {100 * report.half_fraction:.1f}% of its matmul FLOPs run in half precision"
+                        + (f" (largest float32 matmul at {worst['source']}; first fall-back: "
+                           f"{report.fallbacks[0]['cause']})" if worst else ""))
+    if report.half_accumulations:
+        worst = max(report.half_accumulations, key=lambda r: r["size"])
+        problems.append(f"{len(report.half_accumulations)} sums in half precision add more values than "
+                        f"{report.compute_dtype} absorbs (largest: {worst['size']:,} values in {worst['dtype']} at "
+                        f"{worst['source']})")
+    if not problems:
+        return False
+    warnings.warn(f"{where} under policy {report.policy!r}: " + "; ".join(problems)
+                  + ". jaxamp.precision_audit(...) lists every op; get_policy(..., autocast=True) computes the "
+                    "matmuls of unchanged float32 code in half precision with float32 sums", PrecisionWarning,
+                  stacklevel=3)
+    return True
+
+
+def precision_audit(state, batch: PyTree, loss_fn, *, accum_steps: int = 1, carry: PyTree = None) -> PrecisionReport:
+    """Traces (does not run) the gradient computation `train_step(state, batch, loss_fn)` would run and reports
+    what runs in which precision, forward and backward (see the module docstring).
+
+    Args:
+      state: the `TrainState` (its policy, loss scale, params and trainable mask shape the program).
+      batch: a batch as `train_step` takes it (arrays or `jax.ShapeDtypeStruct`s: nothing is computed).
+      loss_fn: as for `train_step`.
+      accum_steps: micro-batches, as for `train_step` (a `scan` body's FLOPs count `accum_steps` times).
+      carry: a stateful loss's state (`jaxamp.nnx`), as for `jaxamp.step.train_step_with_carry`.
+
+    Returns:
+      A `PrecisionReport`; `str(report)` is a table, `report.summary()` one line.
+    """
+
+    def grads(state, batch, carry):
+        rng = jax.random.fold_in(state.rng, state.step)
+        return gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, False, carry).grads
+
+    closed = jax.make_jaxpr(grads)(state, batch, carry)
+    return audit_jaxpr(closed, policy=policy_name(state.policy), compute_dtype=state.policy.compute_dtype)
+
+
+def check_step(state, batch: PyTree, loss_fn, accum_steps: int, carry: PyTree, *, where: str) -> None:
+    """What `train_step` runs while it is traced: under a half-precision policy, audits the step and warns
+    (`warn_if_degraded`), once per trace, i.e. once per compilation of a jitted step."""
+    if _is_half(state.policy.compute_dtype):
+        warn_if_degraded(precision_audit(state, batch, loss_fn, accum_steps=accum_steps, carry=carry), where=where)

@@ -1,0 +1,215 @@
+"""The precision audit (`jaxamp.precision_audit`, `jaxamp.nnx.precision_audit`), its warning in `train_step`, and
+the fidelity report's near-zero leaves and global-norm errors."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxamp
+import jaxamp.nnx as jnnx
+from jaxamp import NoOpLossScale, PrecisionWarning, TrainState, get_policy, precision_audit, train_step
+from jaxamp.fidelity import fidelity_report, worst
+
+
+class BatchNormMLP(nnx.Module):
+    """Linear -> BatchNorm without dtype= (returns float32: its statistics are float32) -> Linear."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1 = nnx.Linear(16, 32, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, rngs=rngs)
+        self.l2 = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.l1(x)
+        h = self.bn(h)  # BN_LINE
+        return self.l2(nnx.relu(h))
+
+
+BN_LINE = next(i for i, line in enumerate(inspect.getsource(inspect.getmodule(BatchNormMLP)).splitlines(), 1)
+               if line.rstrip().endswith("# BN_LINE"))
+
+
+def nnx_loss(model, batch):
+    x, y = batch
+    with jax.numpy_dtype_promotion("standard"):  # Flax's BatchNorm mixes float32 statistics with its input
+        logits = model(x.astype(model.l1.kernel.dtype))
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+
+
+def nnx_batch():
+    return jax.random.normal(jax.random.key(1), (64, 16)), jnp.arange(64) % 4
+
+
+def test_the_audit_names_the_batchnorm_that_made_the_next_layer_float32():
+    model = BatchNormMLP(nnx.Rngs(0))
+    opt = jnnx.Optimizer(model, optax.adam(1e-3), policy="bf16", loss_scale=NoOpLossScale())
+    report = jnnx.precision_audit(model, opt, nnx_batch(), nnx_loss)
+    l2 = [r for r in report.rows if r["shape"].endswith("x [32, 4]") or "[32, 4]" in r["shape"]]
+    assert l2 and all(r["lhs"] == "float32" for r in l2 if r["pass"] == "forward")
+    assert report.fallbacks, report
+    assert report.fallbacks[0]["source"] == f"{__name__.split('.')[-1]}.py:{BN_LINE + 1}"  # the l2 call
+    cause = report.fallbacks[0]["cause"]
+    assert f"test_audit.py:{BN_LINE}" in cause and "normalization.py" in cause and "BatchNorm" in cause, cause
+    assert 0.0 < report.half_fraction < 0.9
+    assert {r["pass"] for r in report.rows} == {"forward", "backward"}
+    text = str(report)
+    assert "first float32 fall-back" in text and f"test_audit.py:{BN_LINE}" in text
+    assert report.summary().startswith("precision audit (bf16): ")
+
+
+def test_a_model_that_runs_in_half_precision_has_no_fallbacks_and_no_warning():
+    model = BatchNormMLP(nnx.Rngs(0))
+    model.bn = nnx.BatchNorm(32, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    opt = jnnx.Optimizer(model, optax.adam(1e-3), policy="bf16", loss_scale=NoOpLossScale())
+    report = jnnx.precision_audit(model, opt, nnx_batch(), nnx_loss)
+    assert report.half_fraction == 1.0 and not report.fallbacks, report
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            jnnx.train_step(model, opt, nnx_batch(), nnx_loss)
+    assert not [w for w in caught if issubclass(w.category, PrecisionWarning)]
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(64)(x))
+        return nn.Dense(4)(x)
+
+
+def linen_setup(policy, rows=512):
+    model = MLP()
+    params = model.init(jax.random.key(0), jnp.ones((1, 16)))["params"]
+    state = TrainState.create(params=params, tx=optax.adam(1e-3), policy=policy, loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(1))
+    batch = (jax.random.normal(jax.random.key(2), (rows, 16)), jnp.arange(rows) % 4)
+
+    def loss_fn(params, batch, rng):
+        x, y = batch
+        logits = model.apply({"params": params}, x.astype(jax.tree.leaves(params)[0].dtype))
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+
+    return state, batch, loss_fn
+
+
+def test_half_precision_bias_sums_past_the_format_limit_are_listed_and_warned_once_per_compilation():
+    state, batch, loss_fn = linen_setup("bf16", rows=512)
+    report = precision_audit(state, batch, loss_fn)
+    assert report.half_fraction == 1.0 and not report.fallbacks
+    sums = report.half_accumulations
+    assert len(sums) == 2 and all(s["dtype"] == "bfloat16" and s["size"] == 512 for s in sums), sums
+    assert all(s["pass"] == "backward" and s["source"].startswith("test_audit.py:") for s in sums)
+    small_state, small_batch, _ = linen_setup("bf16", rows=128)  # 128 values: within bfloat16's 256
+    assert not precision_audit(small_state, small_batch, loss_fn).half_accumulations
+    step = jax.jit(train_step, static_argnames="loss_fn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            state, metrics = step(state, batch, loss_fn)
+        assert bool(metrics["grads_finite"])
+        step(state, (batch[0][:384], batch[1][:384]), loss_fn)  # a new shape: a second compilation
+    found = [w for w in caught if issubclass(w.category, PrecisionWarning)]
+    assert len(found) == 2, [str(w.message) for w in found]
+    assert "512 values in bfloat16" in str(found[0].message) and "384 values" in str(found[1].message)
+
+
+def test_no_audit_and_no_warning_in_float32():
+    state, batch, loss_fn = linen_setup("fp32")
+    report = precision_audit(state, batch, loss_fn)
+    assert report.half_fraction == 0.0 and not report.fallbacks and not report.half_accumulations
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(train_step, static_argnames="loss_fn")(state, batch, loss_fn)
+    assert not [w for w in caught if issubclass(w.category, PrecisionWarning)]
+
+
+def test_flops_of_matmuls_and_convolutions_and_scan_trip_counts():
+    def loss(params, x, rng):
+        del rng
+        h = x.astype(params["w"].dtype) @ params["w"]  # [8, 16] x [16, 32]: 2 * 8 * 32 * 16 FLOPs
+
+        def body(c, _):
+            return c @ params["v"], None  # [8, 32] x [32, 32], 3 times
+
+        h, _ = jax.lax.scan(body, h, None, length=3)
+        img = h.reshape(8, 32, 1, 1)
+        y = jax.lax.conv_general_dilated(img, params["k"], (1, 1), "SAME",
+                                         dimension_numbers=("NCHW", "OIHW", "NCHW"))  # k: [4, 32, 1, 1]
+        return jnp.sum(y.astype(jnp.float32))
+
+    params = {"w": jnp.ones((16, 32)), "v": jnp.ones((32, 32)) * 0.01, "k": jnp.ones((4, 32, 1, 1))}
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(0))
+    report = precision_audit(state, jnp.ones((8, 16)), loss)
+    forward = {r["shape"]: r["flops"] for r in report.rows if r["pass"] == "forward"}
+    assert forward["[8, 16] x [16, 32]"] == 2 * 8 * 32 * 16
+    assert forward["[8, 32] x [32, 32]"] == 3 * 2 * 8 * 32 * 32
+    assert forward["[8, 32, 1, 1] x [4, 32, 1, 1]"] == 2 * (8 * 4) * 32
+    assert report.half_fraction == 1.0
+
+
+def test_fidelity_report_marks_near_zero_leaves_and_keeps_them_out_of_the_worst():
+    """A bias just before a softmax over its own axis has a true gradient of 0: near zero, not ranked."""
+
+    def loss(params, batch, rng):
+        del rng
+        x, y = batch
+        h = x @ params["w"] + params["b"]  # [batch, 4]
+        z = h @ params["q"] + params["shift"]  # a per-row constant shift: softmax ignores it
+        z = z - params["shift"] + params["shift"].mean()  # keeps the shift's gradient exactly 0 in exact maths
+        return optax.softmax_cross_entropy_with_integer_labels(z.astype(jnp.float32), y).mean()
+
+    key = jax.random.split(jax.random.key(0), 4)
+    params = {"w": jax.random.normal(key[0], (16, 8)), "b": jax.random.normal(key[1], (8,)),
+              "q": jax.random.normal(key[2], (8, 4)), "shift": jnp.ones((4,))}
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(1))
+    batch = (jax.random.normal(key[3], (64, 16)), jnp.arange(64) % 4)
+    with jax.numpy_dtype_promotion("standard"):
+        report = jax.jit(fidelity_report, static_argnames=("loss_fn", "noise_floor"))(
+            state, batch, loss, noise_floor=True)
+    near = {k: bool(v) for k, v in report["near_zero"].items()}
+    assert near == {"b": False, "q": False, "shift": True, "w": False}, near
+    assert "shift" not in [name for name, _ in worst(report["rel_err"], 4, near_zero=report["near_zero"])]
+    for name in ("b", "q", "w"):
+        assert 0 < float(report["global_rel_err"][name]) <= float(report["rel_err"][name]) < 0.05, name
+        assert 0 < float(report["noise_floor"][name]) < 0.05, name
+    assert float(report["global_rel_err"]["shift"]) < 1e-3
+
+
+def test_keep_float32_matches_boxed_params_and_its_refusal_suggests_a_pattern_that_matches():
+    class Boxed(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            table = nn.Embed(32, 8, embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(1.0), ("vocab", "embed")), name="embed")
+            return nn.Dense(4)(table(ids))
+
+    variables = Boxed().init(jax.random.key(0), jnp.zeros((2, 3), jnp.int32))
+    paths = [jaxamp.precision.leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(variables["params"])[0]]
+    assert "embed/embedding/value" in paths
+    policy = get_policy("bf16", keep_float32=("*/embedding",))
+    state = TrainState.create(params=variables["params"], tx=optax.sgd(0.1), policy=policy,
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+    compute = state.compute_params()
+    assert compute["embed"]["embedding"].value.dtype == jnp.float32
+    assert compute["Dense_0"]["kernel"].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match=r"'\*/embedding' would match 'embed/embedding'") as err:
+        TrainState.create(params=variables["params"], tx=optax.sgd(0.1), loss_scale=NoOpLossScale(),
+                          policy=get_policy("bf16", keep_float32=("*/wte/embedding",)), rng=jax.random.key(1))
+    assert "matches no params leaf" in str(err.value)
+
+
+def test_jaxamp_exports_the_audit():
+    assert {"precision_audit", "PrecisionWarning", "PrecisionReport"} <= set(jaxamp.__all__)
+    assert issubclass(PrecisionWarning, UserWarning)
+    np.testing.assert_equal(jaxamp.audit.ABSORB_LIMIT, {"bfloat16": 256, "float16": 2048})
