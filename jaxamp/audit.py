@@ -24,6 +24,7 @@ format's limit, naming the largest source.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import warnings
@@ -47,8 +48,27 @@ _SCATTER_ADDS = ("scatter-add", "scatter_add")
 # Contributions a running sum in the format absorbs before the next ones round away (about 2^mantissa bits).
 ABSORB_LIMIT = {"bfloat16": 2**8, "float16": 2**11}
 _HALF_NAMES = ("float16", "bfloat16")
-_LIBRARIES = tuple(os.sep + name + os.sep for name in ("flax", "equinox", "optax", "transformers", "jaxamp", "jmp",
-                                                         "haiku", "orbax", "chex"))
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose frames are library code, not the user's: the installed model and optimizer libraries and
+    jaxamp's own library modules (its LM application, `jaxamp/lm`, counts as user code)."""
+    dirs = []
+    for name in ("flax", "equinox", "optax", "transformers", "jmp", "haiku", "orbax", "chex", "optree"):
+        spec = importlib.util.find_spec(name)
+        dirs += [os.path.join(d, "") for d in (spec.submodule_search_locations or []) if spec] if spec else []
+    return tuple(dirs)
+
+
+_LIBRARIES = _library_dirs()
+_JAXAMP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+_JAXAMP_APP = os.path.join(_JAXAMP, "lm", "")
+
+
+def _is_library(filename: str) -> bool:
+    if filename.startswith(_JAXAMP):
+        return not filename.startswith(_JAXAMP_APP)
+    return filename.startswith(_LIBRARIES)
 _CALLS = ("pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
           "custom_vjp_call_jaxpr", "custom_lin")
 
@@ -74,8 +94,10 @@ def _where(eqn) -> tuple[str, str]:
     library = ""
     for frame in source_info_util.user_frames(eqn.source_info.traceback):
         name = frame.file_name
-        if any(lib in name for lib in _LIBRARIES):
-            library = f"{name.split(os.sep + 'site-packages' + os.sep)[-1]}:{frame.function_name}"
+        if _is_library(name):
+            short = ("jaxamp" + os.sep + name[len(_JAXAMP):] if name.startswith(_JAXAMP)
+                     else name.split(os.sep + "site-packages" + os.sep)[-1])
+            library = f"{short}:{frame.function_name}"
             continue
         return f"{os.path.basename(name)}:{frame.start_line}", library
     return "?", library
