@@ -7,7 +7,9 @@ custom_vjp, shard_map) call back into the interpreter and live in `jaxamp.autoca
 Every rule has the signature `rule(eqn, vals, mode, bounds) -> list` where `eqn` is the original `JaxprEqn`, `vals`
 are the rewritten input values (tracers or arrays, whose dtypes may differ from `eqn.invars`' avals), `mode` is a
 `Mode` and `bounds` gives, per input, the largest finite magnitude of an input known to be a constant (a Literal, or
-a broadcast of one), else None. It returns one value per `eqn.outvars`. The op classes follow torch.amp's CUDA autocast op lists
+a broadcast of one), else None. It returns one value per `eqn.outvars`.
+
+The op classes follow torch.amp's CUDA autocast op lists
 (https://pytorch.org/docs/stable/amp.html#cuda-ops-that-can-autocast-to-float16): "lower precision" ops are the
 matmul class here, "float32" ops the float32 class, "promote to the widest input type" (and torch's default for
 unlisted ops, which run in their inputs' promoted type) the widest class.
@@ -16,7 +18,8 @@ unlisted ops, which run in their inputs' promoted type) the widest class.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +28,11 @@ from jax import lax
 from jax.extend import core as jex_core
 
 __all__ = [
-    "AutocastError",
     "FLOAT32_OPS",
     "MATMUL_OPS",
     "PASSTHROUGH_OPS",
     "WIDEST_OPS",
+    "AutocastError",
     "Mode",
 ]
 
@@ -141,7 +144,7 @@ def tangent_dtype(dtype) -> np.dtype:
     return np.dtype(dtype) if jnp.issubdtype(dtype, jnp.inexact) else np.dtype(jax.dtypes.float0)
 
 
-def _widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
     """The widest of some eligible floats: float32 if any is float32, or if bfloat16 meets float16."""
     kinds = set(dtypes)
     return next(iter(kinds)) if len(kinds) == 1 else F32
@@ -179,10 +182,10 @@ def widest_dtype(eqn, vals, bounds=None) -> np.dtype | None:
     if not floats:
         return None
     strong = [d for var, x, d, _ in floats if not _is_weak(var, x)]
-    target = _widest(strong or [d for _, _, d, _ in floats])
+    target = widest(strong or [d for _, _, d, _ in floats])
     limit = float(jnp.finfo(target).max)
     big = [d for var, x, d, b in floats if _is_weak(var, x) and ((const_bound(x) if b is None else b) or 0.0) > limit]
-    return _widest([target, *big])
+    return widest([target, *big])
 
 
 # ---------------------------------------------------------------------------------------------------- binding helpers
@@ -255,7 +258,7 @@ def matmul_rule(eqn, vals, mode: Mode, bounds=None) -> list:
         params["precision"] = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
     else:
         target = mode.compute
-        if pet is None or np.dtype(pet) == _widest(orig):
+        if pet is None or np.dtype(pet) == widest(orig):
             params["preferred_element_type"] = target
     return checked_bind(eqn, [cast(x, target) for x in vals[:n]] + list(vals[n:]), params)
 

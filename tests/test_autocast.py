@@ -60,6 +60,20 @@ def jit_split(make, *filters):
     return (graphdef, *jax.jit(lambda: nnx.split(make(), *filters)[1:])())
 
 
+def steps(fn, arg_sets, argnums=0, static_argnums=()):
+    """jit(value_and_grad(autocast(fn, bf16))) over several argument sets: asserts one trace; returns the outputs."""
+    traces = []
+
+    def counted(*args):
+        traces.append(1)
+        return fn(*args)
+
+    step = jax.jit(jax.value_and_grad(autocast(counted, BF), argnums), static_argnums=static_argnums)
+    outs = [step(*args) for args in arg_sets]
+    assert len(traces) == 1 and len({float(value) for value, _ in outs}) == len(arg_sets)
+    return outs
+
+
 def rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -139,8 +153,11 @@ def test_widest_class_promotes_to_the_widest_input(dt):
                                             "float32", jnp.dtype(dt).name, "float32", h_dt, "bool"]
     adds = prim_dtypes(jax.make_jaxpr(autocast(f, dt))(x, w, b, table, ids), "add")
     assert [a for a in adds if a[1] != ["int32"]] == [(["float32", "float32"], ["float32"])]  # bf16 + f32 bias
-    hand = jax.jit(lambda x, w, b: ((x.astype(dt) @ w.astype(dt)).astype(F32) + b, jnp.tanh(x.astype(dt) @ w.astype(dt))))
-    tree_equal(outs[:2], hand(x, w, b))
+    def hand(x, w, b):
+        h = x.astype(dt) @ w.astype(dt)
+        return h.astype(F32) + b, jnp.tanh(h)
+
+    tree_equal(outs[:2], jax.jit(hand)(x, w, b))
     assert not np.isinf(np.asarray(outs[7], np.float32)).any()
 
 
@@ -309,7 +326,8 @@ def test_lax_scan_keeps_carries_in_their_dtype_and_matches_hand_cast():
         c, ys = lax.scan(body, jnp.zeros((3, 8)), xs)
         return jnp.sum(c) + jnp.sum(ys.astype(F32))
 
-    tree_equal(jax.jit(jax.value_and_grad(autocast(f, BF)))(w, xs), jax.jit(jax.value_and_grad(hand))(w, xs))
+    auto = steps(f, [(w, xs), (w, 2 * xs), (w, -xs)])
+    tree_equal(auto[0], jax.jit(jax.value_and_grad(hand))(w, xs))
     scan = next(e for e in all_eqns(jax.make_jaxpr(autocast(f, BF))(w, xs)) if e.primitive.name == "scan")
     assert [str(v.aval.dtype) for v in scan.outvars] == ["float32", "bfloat16"]
 
@@ -362,9 +380,9 @@ def test_cond_and_remat_match_hand_cast():
         h = lax.cond(x.sum() > 0, lambda h: mm(h).astype(F32), lambda h: h * 2.0, x)
         return jax.checkpoint(lambda h: jnp.sum(mm(jnp.sin(mm(h))).astype(F32)), policy=policy)(h)
 
-    for sign in (1.0, -1.0):  # both branches
-        tree_equal(jax.jit(jax.value_and_grad(autocast(f, BF)))(w, sign * x),
-                   jax.jit(jax.value_and_grad(hand))(w, sign * x))
+    auto = steps(f, [(w, x), (w, -x), (w, 2 * x)])  # both branches
+    hand_step = jax.jit(jax.value_and_grad(hand))
+    tree_equal(auto[:2], [hand_step(w, x), hand_step(w, -x)])
     cond = next(e for e in all_eqns(jax.make_jaxpr(autocast(f, BF))(w, x)) if e.primitive.name == "cond")
     assert [str(v.aval.dtype) for v in cond.outvars] == ["float32"]
     jaxpr = jax.make_jaxpr(jax.grad(autocast(f, BF)))(w, x)
@@ -393,9 +411,13 @@ def test_nested_jit_and_custom_jvp_rule_sees_the_original_dtypes():
     assert set(seen) == {(jnp.dtype(F32),) * 2}  # the rule ran on the original float32 primals and tangents
     assert value.dtype == F32 and value == jax.jit(hand)(w, x)  # primal: bf16 max/mul, as hand-cast
     seen.clear()
-    g_hand = jax.jit(jax.grad(lambda w: jnp.sum(scaled_relu((x.astype(BF) @ w.astype(BF)).astype(F32)))))(w)
+    hand_f32_rule = lambda w, x: jnp.sum(scaled_relu((x.astype(BF) @ w.astype(BF)).astype(F32)))
+    g_hand = jax.jit(jax.grad(hand_f32_rule))(w, x)
     assert seen == [(jnp.dtype(F32),) * 2]
     tree_equal(g, g_hand)  # tangent from the float32 rule, cast to bf16 into the backward matmul
+    per_row = jax.jit(jax.vmap(jax.grad(autocast(f, BF), 1), (None, 0)))(w, x[:, None])  # vmap of the custom_jvp
+    hand_rows = jax.jit(jax.vmap(jax.grad(hand_f32_rule, 1), (None, 0)))(w, x[:, None])
+    tree_equal(per_row, hand_rows)
 
 
 def test_custom_vjp_runs_opaque_at_its_original_dtypes():
@@ -417,7 +439,7 @@ def test_custom_vjp_runs_opaque_at_its_original_dtypes():
     w, x = normal(0, (8, 8)), normal(1, (3, 8))
     f = lambda w, x: jnp.sum(clip_grad(x @ w))
     hand = lambda w, x: jnp.sum(clip_grad((x.astype(BF) @ w.astype(BF)).astype(F32)))
-    tree_equal(jax.jit(jax.value_and_grad(autocast(f, BF)))(w, x), jax.jit(jax.value_and_grad(hand))(w, x))
+    tree_equal(steps(f, [(w, x), (w, 2 * x)])[0], jax.jit(jax.value_and_grad(hand))(w, x))
     assert set(seen) == {jnp.dtype(F32)}
 
 
@@ -452,7 +474,8 @@ def test_linen_scan_and_remat_match_hand_cast():
     params = jax.jit(ScanModel().init)(jax.random.key(1), xs)
     loss = lambda p, xs: ScanModel().apply(p, xs)
     hand = lambda p, xs: ScanModel(hand_cast=True).apply(p, xs)
-    tree_equal(jax.jit(jax.value_and_grad(autocast(loss, BF)))(params, xs), jax.jit(jax.value_and_grad(hand))(params, xs))
+    auto = steps(loss, [(params, xs), (params, xs + 1.0), (params, -xs)])
+    tree_equal(auto[0], jax.jit(jax.value_and_grad(hand))(params, xs))
     jaxpr = jax.make_jaxpr(jax.grad(autocast(loss, BF)))(params, xs)
     assert {"scan", "remat2"} <= {e.primitive.name for e in all_eqns(jaxpr)}
     assert dot_operand_dtypes(jaxpr) == {("bfloat16", "bfloat16")}
@@ -476,7 +499,7 @@ def _nnx_stack(hand_cast):
     def make(key):
         return NnxLayer(nnx.Rngs(key), hand_cast)
 
-    return jit_split(lambda: make(jax.random.split(jax.random.key(0), 3)))
+    return lambda: make(jax.random.split(jax.random.key(0), 3))
 
 
 def nnx_scan_loss(graphdef, state, h):
@@ -490,12 +513,13 @@ def nnx_scan_loss(graphdef, state, h):
 
 
 def test_nnx_scan_matches_hand_cast():
-    (gd, state), (gd_hand, _) = _nnx_stack(False), _nnx_stack(True)
+    gd, state = jit_split(_nnx_stack(False))
+    gd_hand = nnx.split(nnx.eval_shape(_nnx_stack(True)))[0]  # the same state, hand-cast layers
     h = normal(1, (2, 8))
-    got = jax.jit(jax.value_and_grad(autocast(nnx_scan_loss, BF), 1), static_argnums=0)(gd, state, h)
+    got = steps(nnx_scan_loss, [(gd, state, h), (gd, state, 2 * h)], argnums=1, static_argnums=0)[0]
     want = jax.jit(jax.value_and_grad(nnx_scan_loss, 1), static_argnums=0)(gd_hand, state, h)
     tree_equal(got, want)
-    assert rel_err(got[0], nnx_scan_loss(gd, state, h)) < 0.02
+    assert got[0].dtype == F32
 
 
 # ----------------------------------------------------------------------------------------------- lookups, biases
@@ -526,16 +550,16 @@ def test_lookup_and_bias_gradients_accumulate_in_float32():
 # ------------------------------------------------------------------------------------------------------- models
 
 
-def check_model(loss, args, argnums=0, tol=0.05):
+def check_model(loss, args, tol=0.05):
     """Under autocast every dot_general (forward and backward) is bf16, the loss float32 and near float32's."""
     auto = jax.jit(autocast(loss, BF))(*args)
     ref = jax.jit(loss)(*args)
     assert auto.dtype == F32 and auto.shape == ()
     assert abs(float(auto) - float(ref)) <= tol * abs(float(ref)), (float(auto), float(ref))
-    jaxpr = jax.make_jaxpr(jax.grad(autocast(loss, BF), argnums))(*args)
+    assert auto != ref  # not float32: the test can fail
+    jaxpr = jax.make_jaxpr(jax.grad(autocast(loss, BF)))(*args)
     assert dot_operand_dtypes(jaxpr) == {("bfloat16", "bfloat16")}
     assert len(prim_dtypes(jaxpr, "dot_general")) >= 3
-    return auto, ref
 
 
 class Block(nn.Module):
@@ -559,15 +583,11 @@ def test_linen_transformer_block_unchanged():
     ids = jax.random.randint(jax.random.key(0), (2, 6), 0, 32)
     params = jax.jit(LM().init)(jax.random.key(1), ids)
 
-    def loss(params, ids, deterministic=True, rngs=None):
-        logits = LM().apply(params, ids, deterministic=deterministic, rngs=rngs)
+    def loss(params, ids, rng):  # training mode: attention dropout with a key argument
+        logits = LM().apply(params, ids, deterministic=False, rngs={"dropout": rng})
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), ids[..., None], -1))
 
-    check_model(loss, (params, ids))
-    rngs = {"dropout": jax.random.key(2)}
-    train = jax.jit(lambda p, i: autocast(loss, BF)(p, i, deterministic=False, rngs=rngs))(params, ids)
-    ref = jax.jit(lambda p, i: loss(p, i, deterministic=False, rngs=rngs))(params, ids)
-    assert train.dtype == F32 and abs(float(train) - float(ref)) < 0.05 * abs(float(ref))
+    check_model(loss, (params, ids, jax.random.key(2)))
 
 
 class NnxNet(nnx.Module):
@@ -589,20 +609,20 @@ def test_nnx_model_unchanged():
     def forward(graphdef, state, x):  # BatchNorm (training mode) and Dropout update `state` inside the trace
         return nnx.merge(graphdef, state)(x)
 
-    out = jax.jit(autocast(forward, BF), static_argnums=0)(graphdef, nnx.merge_state(params, rest), x)
-    assert out.dtype == F32 and out.shape == (6, 4)
+    out = jax.eval_shape(autocast(forward, BF), graphdef, nnx.merge_state(params, rest), x)
+    assert out.dtype == F32 and out.shape == (6, 4)  # (the last Linear's bias add is float32)
 
     def loss(params, rest, x):  # tree.map: fresh Variables at this trace level (grad passes `rest` through as is)
         return jnp.mean(forward(graphdef, nnx.merge_state(params, jax.tree.map(jnp.asarray, rest)), x) ** 2)
 
     check_model(loss, (params, rest, x))
-    g = jax.jit(jax.grad(autocast(loss, BF)))(params, rest, x)
-    g32 = jax.jit(jax.grad(loss))(params, rest, x)
-    assert rel_err(g["l1"]["kernel"][...], g32["l1"]["kernel"][...]) < 0.05
 
 
 def test_plain_jnp_mlp_unchanged():
-    check_model(mlp_loss, (mlp_params(), normal(3, (6, 8))))
+    p, x = mlp_params(), normal(3, (6, 8))
+    check_model(mlp_loss, (p, x))
+    g, g32 = jax.jit(jax.grad(autocast(mlp_loss, BF)))(p, x), jax.jit(jax.grad(mlp_loss))(p, x)
+    assert all(rel_err(g[k], g32[k]) < 0.05 for k in p) and g["w1"].dtype == F32
 
 
 def test_equinox_mlp():
@@ -775,7 +795,8 @@ SHARDED_CHILD = textwrap.dedent("""
         return jnp.sum(h @ w.T)
 
     def hand(x, w):
-        h = jax.lax.with_sharding_constraint(jnp.tanh(x.astype(BF) @ w.astype(BF)), NamedSharding(mesh, P("data", "model")))
+        h = jnp.tanh(x.astype(BF) @ w.astype(BF))
+        h = jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P("data", "model")))
         return jnp.sum((h @ w.T.astype(BF)).astype(F32))
 
     v, g = jax.jit(jax.value_and_grad(autocast(f, BF), 1))(x, w)
@@ -807,5 +828,6 @@ SHARDED_CHILD = textwrap.dedent("""
 
 def test_sharded_arrays_and_shard_map_on_8_cpu_devices():
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-c", SHARDED_CHILD], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", SHARDED_CHILD], check=False, capture_output=True, text=True, env=env,
+                          timeout=300)
     assert proc.returncode == 0 and "SHARDED OK" in proc.stdout, proc.stderr[-3000:]
