@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
+from jax.extend import source_info_util
 
 __all__ = [
     "FLOAT32_OPS",
@@ -66,7 +67,7 @@ WIDEST_OPS = frozenset({
     # structural
     "concatenate", "pad", "gather", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
     "scatter-max", "dynamic_slice", "dynamic_update_slice", "slice", "reshape", "transpose", "broadcast_in_dim",
-    "squeeze", "rev", "split", "tile", "broadcast_to", "zeros_like", "copy", "copy_p", "iota",
+    "squeeze", "rev", "split", "tile", "broadcast_to", "zeros_like", "copy", "iota",
     # reductions, scans, sorting (except reduce_sum/prod, cumsum/prod: float32 class)
     "reduce_max", "reduce_min", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin", "cummax", "cummin",
     "top_k", "reduce_window_sum", "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
@@ -155,9 +156,12 @@ def _is_weak(var, x) -> bool:
     return isinstance(var, jex_core.Literal) or jax.typeof(x).weak_type
 
 
+_TRACER = getattr(jax.core, "Tracer", None) or jax._src.core.Tracer
+
+
 def const_bound(x) -> float | None:
     """The largest finite magnitude of a known (non-traced, small) constant value, else None."""
-    if isinstance(x, jax.core.Tracer) or np.size(x) > 64 or not is_float(dtype_of(x)):
+    if isinstance(x, _TRACER) or np.size(x) > 64 or not is_float(dtype_of(x)):
         return None
     value = np.abs(np.asarray(x, dtype=np.float64))
     return float(np.max(value[np.isfinite(value)], initial=0.0))
@@ -205,9 +209,13 @@ def checked_bind(eqn, vals, params: dict | None = None) -> list:
     except (TypeError, ValueError) as err:
         in_types = ", ".join(str(jax.typeof(x).str_short()) for x in vals)
         raise AutocastError(
-            f"autocast could not re-bind primitive '{eqn.primitive.name}' on ({in_types}) "
-            f"(originally {', '.join(v.aval.str_short() for v in eqn.invars)}): {err}. Keep this op float32 with "
+            f"autocast could not re-bind primitive '{eqn.primitive.name}' ({_where(eqn)}) on ({in_types}), "
+            f"originally ({', '.join(v.aval.str_short() for v in eqn.invars)}): {err}. Keep this op float32 with "
             f"`with jaxamp.autocast.disabled():` around it.") from err
+
+
+def _where(eqn) -> str:
+    return source_info_util.summarize(eqn.source_info)
 
 
 def original_rule(eqn, vals, mode: Mode, bounds=None) -> list:
@@ -368,8 +376,8 @@ def check_outputs(eqn, outs: list, mode: Mode) -> list:
       AutocastError: naming the primitive, when a rule broke one of those.
     """
     if len(outs) != len(eqn.outvars):
-        raise AutocastError(f"autocast: primitive '{eqn.primitive.name}' gave {len(outs)} outputs, expected "
-                            f"{len(eqn.outvars)}")
+        raise AutocastError(f"autocast: primitive '{eqn.primitive.name}' ({_where(eqn)}) gave {len(outs)} outputs, "
+                            f"expected {len(eqn.outvars)}")
     checked = []
     for var, out in zip(eqn.outvars, outs):
         aval = var.aval
@@ -377,8 +385,8 @@ def check_outputs(eqn, outs: list, mode: Mode) -> list:
             got = jax.typeof(out)
             same_kind = is_float(got.dtype) if is_float(aval.dtype) else got.dtype == aval.dtype
             if got.shape != aval.shape or not same_kind:
-                raise AutocastError(f"autocast: the rewritten primitive '{eqn.primitive.name}' gave {got.str_short()} "
-                                    f"where the original gave {aval.str_short()}")
+                raise AutocastError(f"autocast: the rewritten primitive '{eqn.primitive.name}' ({_where(eqn)}) gave "
+                                    f"{got.str_short()} where the original gave {aval.str_short()}")
             if mode.reference and is_low_float(got.dtype):
                 out = cast(out, F32)
         checked.append(out)

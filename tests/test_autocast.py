@@ -6,6 +6,7 @@ Each test compares against values computed independently: a hand-cast version of
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -237,8 +238,23 @@ def test_unhandled_rewrite_raises_naming_the_primitive(monkeypatch):
 
     prim = _float32_only_primitive()  # a float32-only primitive wrongly listed in the widest class
     monkeypatch.setitem(autocast_rules.FIRST_ORDER_RULES, prim.name, autocast_rules.widest_rule)
-    with pytest.raises(AutocastError, match="jaxamp_test_float32_only.*disabled"):
+    message = r"'jaxamp_test_float32_only' \(.*test_autocast.py:\d+.*on \(bfloat16.*disabled"
+    with pytest.raises(AutocastError, match=message):
         jax.make_jaxpr(autocast(lambda x, w: prim.bind(x @ w), BF))(normal(0, (2, 2)), normal(1, (2, 2)))
+
+
+def test_the_docstring_table_lists_each_class_exactly():
+    from jaxamp import autocast_rules as rules
+
+    module = sys.modules["jaxamp.autocast"]  # (jaxamp.autocast may name the function once jaxamp exports it)
+    rows = {line.split("|")[1].strip(): set(re.findall(r"`([\w-]+)`", line.split("|")[2]))
+            for line in module.__doc__.splitlines() if line.startswith("| ") and not line.startswith("| class")}
+    assert rows["matmul"] == rules.MATMUL_OPS
+    assert rows["float32"] == rules.FLOAT32_OPS | {"integer_pow"}  # with a negative exponent
+    assert rows["widest"] == rules.WIDEST_OPS
+    assert rows["passthrough"] == rules.PASSTHROUGH_OPS
+    assert set(rules.FIRST_ORDER_RULES) == (rules.MATMUL_OPS | rules.FLOAT32_OPS | rules.WIDEST_OPS
+                                           | rules.PASSTHROUGH_OPS | {"convert_element_type"})
 
 
 # ------------------------------------------------------------------------------------- transforms vs hand-cast code
