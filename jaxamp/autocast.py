@@ -1,0 +1,488 @@
+"""`autocast`: torch.amp's autocast as a JAX function transform (a jaxpr interpreter); tested with jax 0.10.2.
+
+`autocast(fn, jnp.bfloat16)` runs unchanged float32 JAX code (a linen `model.apply`, NNX or Equinox modules, plain
+`jnp`) with its matmuls in half precision and the numerically sensitive ops in float32, following torch.amp's CUDA
+autocast op lists (https://pytorch.org/docs/stable/amp.html#autocast-op-reference). On each call it traces `fn` to
+a closed jaxpr (`jax.make_jaxpr`, inside any outer jit/grad/vmap trace) and evaluates that jaxpr with an interpreter
+that re-binds each primitive under the rules below. It composes with `jax.jit`, `jax.grad`, `jax.vmap`, control
+flow, `jax.checkpoint`, custom derivatives and sharded arrays, and a jitted step that calls it traces once. Array
+leaves of the arguments (jax and numpy arrays, tracers) become jaxpr inputs; every other leaf (Python bools, ints,
+floats, strings, objects, e.g. `deterministic=True`) is static.
+
+Op classes. "Eligible" floats are float32, bfloat16 and float16: float64 and the float8s are never cast, as in
+torch.amp. A primitive's class decides the dtype it computes in:
+
+| class | primitives | rule |
+| --- | --- | --- |
+| matmul | `dot_general`, `conv_general_dilated`, `ragged_dot_general` | eligible operands cast to the compute dtype; result in the compute dtype |
+| float32 | `exp`, `exp2`, `log`, `log1p`, `expm1`, `pow`, `sqrt`, `rsqrt`, `cbrt`, `reciprocal`, `integer_pow` with a negative exponent (`jnp.reciprocal`), `tan`, `sinh`, `cosh`, `asin`, `acos`, `erf_inv`, `reduce_sum`, `reduce_prod`, `cumsum`, `cumprod`, `cumlogsumexp` | eligible inputs cast to float32; result float32 |
+| widest | `add`, `add_any`, `sub`, `mul`, `div`, `rem`, `max`, `min`, `neg`, `abs`, `sign`, `floor`, `ceil`, `round`, `nextafter`, `atan2`, `tanh`, `logistic`, `sin`, `cos`, `atan`, `asinh`, `acosh`, `atanh`, `erf`, `erfc`, `lgamma`, `digamma`, `igamma`, `igammac`, `igamma_grad_a`, `polygamma`, `zeta`, `bessel_i0e`, `bessel_i1e`, `regularized_incomplete_beta`, `integer_pow` (exponent >= 0), `square`, `is_finite`, `reduce_precision`, `real`, `imag`, `conj`, `select_n`, `clamp`, `eq`, `ne`, `lt`, `le`, `gt`, `ge`, `eq_to`, `le_to`, `lt_to`, `and`, `or`, `not`, `xor`, `shift_left`, `shift_right_arithmetic`, `shift_right_logical`, `population_count`, `clz`, `concatenate`, `pad`, `gather`, `scatter`, `scatter-add`, `scatter-sub`, `scatter-mul`, `scatter-min`, `scatter-max`, `dynamic_slice`, `dynamic_update_slice`, `slice`, `reshape`, `transpose`, `broadcast_in_dim`, `squeeze`, `rev`, `split`, `tile`, `broadcast_to`, `zeros_like`, `copy`, `iota`, `reduce_max`, `reduce_min`, `reduce_and`, `reduce_or`, `reduce_xor`, `argmax`, `argmin`, `cummax`, `cummin`, `top_k`, `reduce_window_sum`, `reduce_window_max`, `reduce_window_min`, `select_and_scatter_add`, `select_and_gather_add`, `sharding_constraint`, `reshard`, `mesh_cast`, `stop_gradient`, `random_bits`, `random_seed`, `random_wrap`, `random_unwrap`, `random_fold_in`, `random_split`, `random_clone`, `threefry2x32`, `rng_bit_generator`, `rng_uniform`, `axis_index` | eligible inputs cast to the widest floating dtype among them (torch.amp's "promote" rule, and its default for unlisted ops) |
+| passthrough | `sort`, `optimization_barrier`, `device_put`, `name` (checkpoint names), `psum`, `pmax`, `pmin`, `psum_invariant`, `all_gather`, `all_gather_invariant`, `all_to_all`, `ppermute`, `pvary`, `pbroadcast`, `reduce_scatter` | operands are independent: bound with their current dtypes |
+| explicit cast | `convert_element_type` | as written (see below) |
+| original | everything else (below) | inputs cast back to the dtypes of the original jaxpr, original params |
+
+What follows from the classes: softmax, log_softmax, logsumexp, layer/batch norms, means, variances and losses end
+in float32 ops, so they come out float32 (the elementwise ops before their first float32-class op, e.g. softmax's
+`x - max(x)` or a norm's square, run in the input's dtype). A lookup in a float32 table stays float32, so its
+gradient is a float32 scatter-add; `bf16_activation + f32_bias` is float32, so the bias gradient sums in float32.
+
+Casts and constants:
+
+* Widest: Literals and weak-typed inputs (Python scalars and what JAX derives from them: `x * 0.5`, `max(x, 0.0)`,
+  `jnp.where(m, x, 0.0)`) don't widen, as torch's wrapped numbers don't, unless every floating input is one, or a
+  constant is finite but outside the narrower dtype's range (`jnp.where(mask, x, -1e9)`, or `finfo(float32).min`,
+  under float16): then the op runs in the wider dtype instead of turning the constant into inf.
+* `convert_element_type` written in the program (`x.astype(jnp.bfloat16)`, `.astype(jnp.int32)`) stays as written.
+  One that only changes weak-typedness (same dtype in and out, inserted by JAX) keeps the value's current dtype. A
+  cast that is a no-op in float32 code (`logits.astype(jnp.float32)` on float32 logits) leaves no equation in the
+  jaxpr, so what follows it runs by the op classes (a loss still comes out float32 through the float32 class).
+* Matmul `preferred_element_type` (the result dtype): `jnp.matmul`, `jnp.dot`, `jnp.einsum` and `x @ w` in float32
+  code record `preferred_element_type=float32`, exactly as an explicit `preferred_element_type=jnp.float32` on
+  float32 operands does, so a value equal to the operands' own result dtype, or None (`lax.dot_general`'s default),
+  is read as the default and becomes the compute dtype. The half-precision result makes the backward matmuls that
+  JAX derives run in the compute dtype too (a float32 result would send float32 cotangents into them); accumulation
+  is float32 inside the kernel on GPU, TPU and CPU. Any other value (half-precision operands with a float32 result,
+  int8 operands with int32) was asked for explicitly and is kept. Operands that are not eligible floats (integers,
+  float8, float64) leave the op as the original program wrote it.
+
+Control flow and calls, re-bound through JAX's public API, their inner jaxprs interpreted under the same rules:
+
+* nested `jit` and `closed_call`: inlined; the shardings a nested jit specified for its inputs and outputs become
+  `jax.lax.with_sharding_constraint`s.
+* `scan` (`lax.scan`, `lax.map`, `fori_loop` with static bounds, `flax.linen.scan`, `nnx.scan`): `jax.lax.scan`
+  over the interpreted body; carries keep their original dtype (the initial carry and the body's new carry are cast
+  to it), stacked outputs take the dtypes the body gives them.
+* `while`: `jax.lax.while_loop`; carries keep their original dtype.
+* `cond`: `jax.lax.switch`; each output is cast to the widest dtype the branches give it.
+* `checkpoint` (`jax.checkpoint`, `nn.remat`, `nnx.remat`): re-wrapped with `jax.checkpoint`, same `policy` and
+  `prevent_cse` (checkpoint names pass through, so name-based policies keep working).
+* `shard_map`: re-wrapped with `jax.shard_map`, same mesh, specs, manual axes and `check_vma`.
+* `custom_jvp_call` (`jax.nn.relu`, `jax.nn.silu`, `jnp.logaddexp`, ...): a new `jax.custom_jvp` whose primal
+  interprets the primal jaxpr under autocast and whose JVP rule is the user's own, run on the original dtypes: it
+  calls `jax.jvp` of the original primitive with its original params on primals and tangents cast to the original
+  dtypes, and casts the output tangents to the new primal outputs' dtypes. The rule sees the dtypes it was written
+  for.
+* `custom_vjp_call` (Flax's FP8 ops, `jaxamp.layers`' functions): opaque, exactly as in the original program
+  (inputs cast back to its traced dtypes, its own forward and backward): its backward was written for those dtypes
+  and need not be the derivative of its forward (straight-through estimators, FP8 scale updates).
+
+Unknown primitives (linear algebra, FFT, callbacks and `jax.debug.print`, custom calls, `pmap`, `reduce` and
+`reduce_window` with a computation, `bitcast_convert_type`, `complex`, `custom_linear_solve`, state/ref primitives,
+...) run as the original program ran them: inputs cast back to the dtypes the original jaxpr gave them, bound with
+their original params (float32, for float32 code). No rule changes an output's shape, or the dtype of a non-floating
+output: a rewrite that cannot be bound, or that would, raises `AutocastError` naming the primitive.
+
+`disabled()` (torch's `autocast(enabled=False)`): ops traced inside `with jaxamp.autocast.disabled():`, or in a
+function decorated with `@jaxamp.autocast.disabled()`, run at their original dtypes (values from autocast ops are
+cast back to them), including whole nested jits, scans and custom derivatives called in it. It is a marker in the
+name stack (`jax.named_scope`), read from each equation, and survives nested jit and scan bodies.
+
+`float32_reference(fn)`: the float32 truth for gradient-fidelity checks. Every floating value is float32, also where
+the model asks for half precision itself: its casts to bfloat16/float16 (and float8) cast to float32, half-precision
+literals, constants and iotas are float32, matmuls run at `Precision.HIGHEST` with float32 results, loop carries are
+float32, custom_jvp rules run in float32 (their JVP is traced at the original dtypes and interpreted in this mode).
+`disabled()` has no effect in it.
+
+Source info: each equation is re-bound inside its own `user_context` (traceback and name stack) and equation context,
+as `jax.core.eval_jaxpr` does, so a later trace of the rewritten code (`jax.make_jaxpr(jax.grad(autocast(f)))`)
+attributes every op, and the casts autocast inserts, to the user's file:line and name scopes.
+
+Known limitations:
+
+* Outside `jax.jit` every call traces `fn` and dispatches op by op: call `autocast(fn)` inside the jitted step.
+* Like `jax.jit`, `autocast` is a pure function transform: NNX modules updated inside `fn` (BatchNorm statistics,
+  Rngs counts) must be created inside it (`lambda graphdef, state, x: nnx.merge(graphdef, state)(x)`) and their new
+  state returned.
+* Nested autocasts: the outer one wins, and sees the inner one's casts as casts written in the program.
+* float32_reference: a custom_vjp that the model runs in half precision runs as traced (in half precision), as do
+  unknown primitives; their outputs are widened to float32.
+* Inside `pmap` nothing is rewritten (it runs as the original program did).
+
+Tested with jax 0.10.2, flax 0.12.8 (linen and NNX) and Equinox 0.13; uses no API deprecated in jax 0.10.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+
+from jaxamp import autocast_rules as rules
+from jaxamp.autocast_rules import (
+    AutocastError,
+    Mode,
+    cast,
+    dtype_of,
+    strong_cast,
+    tangent_dtype,
+)
+
+__all__ = ["AutocastError", "autocast", "disabled", "float32_reference"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DISABLED_SCOPE = "jaxamp_autocast_disabled"
+_DTYPE_NAMES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16,
+                "f16": jnp.float16, "half": jnp.float16}
+
+
+# --------------------------------------------------------------------------------------------------------- public API
+
+
+def autocast(fn: F, dtype: Any) -> F:
+    """`fn` with its matmuls in `dtype` and its sensitive ops in float32 (torch.amp's autocast op lists, CUDA).
+
+    Args:
+      fn: ordinary float32 JAX code: a function of pytrees of arrays and static Python values (a linen
+        `model.apply`, a function calling NNX or Equinox modules, plain `jnp`).
+      dtype: the compute dtype: `jnp.bfloat16` / `"bfloat16"` / `"bf16"` or `jnp.float16` / `"float16"` / `"fp16"`.
+
+    Returns:
+      A function with `fn`'s signature and output structure; outputs keep their shapes, floating ones take the
+      dtypes the rules give them (a loss is float32, logits of a final matmul are `dtype`).
+
+    Raises:
+      ValueError: `fn` is not callable, or `dtype` is not bfloat16 or float16 (integers, float32/64, float8).
+      AutocastError: at call time, a primitive that cannot be rewritten (the message names it).
+    """
+    compute = _compute_dtype(dtype)
+    _check_callable(fn, "autocast")
+
+    @functools.wraps(fn)
+    def autocast_fn(*args, **kwargs):
+        return _run(fn, args, kwargs, Mode(compute))
+
+    return autocast_fn  # type: ignore[return-value]
+
+
+def float32_reference(fn: F) -> F:
+    """`fn` with every floating value in float32, overriding the model's own half-precision casts.
+
+    For gradient-fidelity checks: a Flax/HF model built with `dtype=jnp.bfloat16` computes in bfloat16 even with
+    float32 params; under this transform its casts to bfloat16/float16 cast to float32, half-precision literals,
+    constants and iotas are float32, and matmuls run at `Precision.HIGHEST`. See the module docstring for what
+    stays as traced (custom_vjp in half precision, unknown primitives).
+
+    Args:
+      fn: any JAX function of pytrees of arrays and static Python values.
+
+    Returns:
+      A function with `fn`'s signature; its floating outputs are float32 (float64 stays float64).
+
+    Raises:
+      ValueError: `fn` is not callable.
+    """
+    _check_callable(fn, "float32_reference")
+
+    @functools.wraps(fn)
+    def reference_fn(*args, **kwargs):
+        return _run(fn, args, kwargs, Mode(None))
+
+    return reference_fn  # type: ignore[return-value]
+
+
+def disabled():
+    """A region of autocast code that keeps its original dtypes (torch's `autocast(enabled=False)`).
+
+    Use `with jaxamp.autocast.disabled():` inside `fn`, or `@jaxamp.autocast.disabled()` on a function it calls.
+    The ops traced in it (nested jits, scans and custom derivatives included) run at the dtypes the original
+    program gave them; values coming in from autocast ops are cast back to those dtypes. It is a
+    `jax.named_scope("jaxamp_autocast_disabled")`, so it has no effect outside autocast. float32_reference ignores it.
+
+    Returns:
+      A context manager that also works as a decorator.
+    """
+    return _disabled_scope()
+
+
+@contextlib.contextmanager
+def _disabled_scope():
+    with jax.named_scope(DISABLED_SCOPE):
+        yield
+
+
+autocast.disabled = disabled  # type: ignore[attr-defined]  # jaxamp.autocast.disabled() when it names the function
+
+
+def _compute_dtype(dtype) -> np.dtype:
+    """`dtype` (a dtype or a name) as bfloat16 or float16; raises ValueError naming the fix for anything else."""
+    name = _DTYPE_NAMES.get(dtype.lower(), dtype) if isinstance(dtype, str) else dtype
+    try:
+        resolved = np.dtype(name)
+    except TypeError:
+        resolved = None
+    if resolved not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+        raise ValueError(
+            f"autocast's dtype must be a half-precision compute dtype: jnp.bfloat16 ('bfloat16'/'bf16') or "
+            f"jnp.float16 ('float16'/'fp16'); got {dtype!r}. For float32 call the function without autocast (or "
+            f"use float32_reference); float8 matmuls go through Flax's FP8 ops (jaxamp.layers.Dense(fp8=True)).")
+    return resolved
+
+
+def _check_callable(fn, name: str) -> None:
+    if not callable(fn):  # ValueError, as for a bad dtype: one kind of error for every bad argument
+        raise ValueError(f"{name} needs a function as its first argument (e.g. {name}(model.apply, ...)), got "
+                         f"{type(fn).__name__}: {fn!r:.80}")
+
+
+# ------------------------------------------------------------------------------------------------------- tracing
+
+
+def _is_dynamic(leaf) -> bool:
+    """Whether an argument leaf becomes a jaxpr input (arrays, tracers, numpy values) rather than a static value."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def _run(fn, args: tuple, kwargs: dict, mode: Mode):
+    """Traces `fn(*args, **kwargs)` to a closed jaxpr and evaluates it under `mode`'s rules."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dynamic = [_is_dynamic(leaf) for leaf in leaves]
+
+    def flat_fn(*dyn):
+        it = iter(dyn)
+        call_args, call_kwargs = jax.tree.unflatten(treedef, [next(it) if d else x for x, d in zip(leaves, dynamic)])
+        return fn(*call_args, **call_kwargs)
+
+    dyn_leaves = [x for x, d in zip(leaves, dynamic) if d]
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_leaves)
+    outs = interpret(closed.jaxpr, closed.consts, dyn_leaves, mode)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+# ---------------------------------------------------------------------------------------------------- interpreter
+
+
+def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: Sequence | None = None) -> list:
+    """Evaluates an open `jaxpr` on `consts` and `args` (any dtypes), re-binding each equation under `mode`.
+
+    Each equation is bound inside its own source info (traceback and name stack) and equation context, as
+    `jax.core.eval_jaxpr` does. `arg_bounds` (optional, per arg) are the largest magnitudes of args known to be
+    constants (see `autocast_rules.widest_dtype`); they are tracked through broadcasts and reshapes.
+
+    Returns:
+      The jaxpr's outputs (float32_reference mode: low-precision floating ones widened to float32).
+    """
+    env: dict = {}
+    bound: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    def read_bound(v):
+        return rules.const_bound(v.val) if isinstance(v, jex_core.Literal) else bound.get(v)
+
+    for var, val in zip(jaxpr.constvars, consts):
+        env[var] = val
+    for var, val, b in zip(jaxpr.invars, args, arg_bounds or [None] * len(args)):
+        env[var], bound[var] = val, b
+    for eqn in jaxpr.eqns:
+        vals, bounds = [read(v) for v in eqn.invars], [read_bound(v) for v in eqn.invars]
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), _eqn_context(eqn):
+            outs = rules.check_outputs(eqn, _rule(eqn, mode)(eqn, vals, mode, bounds), mode)
+        for var, out in zip(eqn.outvars, outs):
+            if not isinstance(var, jex_core.DropVar):
+                env[var] = out
+        if eqn.primitive.name in rules.BOUND_PRESERVING and bounds and bounds[0] is not None:
+            bound[eqn.outvars[0]] = bounds[0]
+    outs = [read(v) for v in jaxpr.outvars]
+    return [cast(x, rules.F32) if mode.reference and rules.is_low_float(dtype_of(x)) else x for x in outs]
+
+
+def _eqn_context(eqn):
+    ctx = getattr(eqn, "ctx", None)
+    return ctx.manager if ctx is not None else contextlib.nullcontext()
+
+
+def _is_disabled(eqn) -> bool:
+    return any(getattr(s, "name", None) == DISABLED_SCOPE for s in eqn.source_info.name_stack.stack)
+
+
+def _rule(eqn, mode: Mode):
+    """The rule for `eqn`: its original form inside `disabled()`, else by primitive (unknown: original)."""
+    if not mode.reference and _is_disabled(eqn):
+        return rules.original_rule
+    name = eqn.primitive.name
+    return HIGHER_ORDER_RULES.get(name) or rules.FIRST_ORDER_RULES.get(name) or rules.original_rule
+
+
+def _closed_fn(closed, mode: Mode) -> Callable[..., list]:
+    """A ClosedJaxpr as a function of its inputs, interpreted under `mode`."""
+    return lambda *xs: interpret(closed.jaxpr, closed.consts, xs, mode)
+
+
+# ----------------------------------------------------------------------------------------------- higher-order rules
+
+
+def _jit_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """Nested jit: inlined (interpreted in place); specified in/out shardings become sharding constraints."""
+    params = eqn.params
+    vals = _constrain(vals, params.get("in_shardings"))
+    closed = params["jaxpr"]
+    outs = interpret(closed.jaxpr, closed.consts, vals, mode, bounds)
+    return _constrain(outs, params.get("out_shardings"))
+
+
+def _constrain(vals: list, shardings) -> list:
+    if shardings is None:
+        return list(vals)
+    return [lax.with_sharding_constraint(x, s) if isinstance(s, jax.sharding.Sharding) else x
+            for x, s in zip(vals, shardings)]
+
+
+def _closed_call_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """closed_call / core_call: inlined."""
+    call = eqn.params["call_jaxpr"]
+    if isinstance(call, jex_core.ClosedJaxpr):
+        return interpret(call.jaxpr, call.consts, vals, mode, bounds)
+    return interpret(call, [], vals, mode, bounds)
+
+
+def _scan_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """scan: `lax.scan` over an interpreted body; carries keep their original dtype, stacked outputs the body's."""
+    p = eqn.params
+    closed, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+    consts, init, xs = vals[:n_consts], vals[n_consts:n_consts + n_carry], vals[n_consts + n_carry:]
+    targets = [mode.fixed_dtype(a.dtype) for a in closed.in_avals[n_consts:n_consts + n_carry]]
+    body_fn = _closed_fn(closed, mode)
+
+    def body(carry, x):
+        outs = body_fn(*consts, *carry, *x)
+        return [strong_cast(c, t) for c, t in zip(outs[:n_carry], targets)], outs[n_carry:]
+
+    init = [strong_cast(c, t) for c, t in zip(init, targets)]
+    carry, ys = lax.scan(body, init, list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys]
+
+
+def _while_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """while: `lax.while_loop` over interpreted cond and body; carries keep their original dtype."""
+    p = eqn.params
+    cond_j, body_j, n_c, n_b = p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts, init = vals[:n_c], vals[n_c:n_c + n_b], vals[n_c + n_b:]
+    targets = [mode.fixed_dtype(a.dtype) for a in body_j.in_avals[n_b:]]
+    cond_fn, body_fn = _closed_fn(cond_j, mode), _closed_fn(body_j, mode)
+
+    def body(carry):
+        return [strong_cast(c, t) for c, t in zip(body_fn(*body_consts, *carry), targets)]
+
+    init = [strong_cast(c, t) for c, t in zip(init, targets)]
+    return list(lax.while_loop(lambda carry: cond_fn(*cond_consts, *carry)[0], body, init))
+
+
+def _cond_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """cond: `lax.switch` over interpreted branches; each output cast to the widest dtype the branches give it.
+
+    Each branch is interpreted once (to a jaxpr, whose output dtypes decide the casts); the switch re-traces those
+    jaxprs, not the interpreter, so nested conds cost one interpretation each.
+    """
+    index, *ops = vals
+    branches = [jax.make_jaxpr(_closed_fn(branch, mode))(*ops) for branch in eqn.params["branches"]]
+    targets = []
+    for i, var in enumerate(eqn.outvars):
+        dts = [b.out_avals[i].dtype for b in branches]
+        floats = [d for d in dts if d in rules.ELIGIBLE]
+        targets.append(rules.widest(floats) if len(floats) == len(dts) else var.aval.dtype)
+
+    def branch_fn(closed):
+        fn = jex_core.jaxpr_as_fun(closed)
+        return lambda *xs: [strong_cast(o, t) for o, t in zip(fn(*xs), targets)]
+
+    return list(lax.switch(index, [branch_fn(b) for b in branches], *ops))
+
+
+def _remat_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """checkpoint/remat: re-wrapped with `jax.checkpoint` (same policy and prevent_cse) over the interpreted body."""
+    p = eqn.params
+    jaxpr = p["jaxpr"]
+    if jaxpr.constvars:
+        return rules.original_rule(eqn, vals, mode, bounds)
+    fn = jax.checkpoint(lambda *xs: interpret(jaxpr, [], xs, mode), prevent_cse=p["prevent_cse"], policy=p["policy"])
+    return list(fn(*vals))
+
+
+def _shard_map_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """shard_map: re-wrapped with `jax.shard_map` (same mesh, specs, manual axes, check_vma) over the body."""
+    p = eqn.params
+    axes = p.get("newly_manual_axes", p.get("manual_axes"))
+    if axes is None:
+        raise AutocastError(f"autocast: shard_map params {sorted(p)} (this jax version) are not supported; keep it "
+                            f"in its original dtypes with `with jaxamp.autocast.disabled():` around the shard_map")
+    jaxpr = p["jaxpr"]
+    fn = jax.shard_map(lambda *xs: tuple(interpret(jaxpr, [], xs, mode)), mesh=p["mesh"],
+                       in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]), axis_names=set(axes),
+                       check_vma=p.get("check_vma", True))
+    return list(fn(*vals))
+
+
+def _custom_jvp_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """custom_jvp: primal interpreted under `mode`, JVP by the user's rule on the original dtypes.
+
+    Autocast: the rule is `jax.jvp` of the original primitive (original params) on primals and tangents cast to the
+    original dtypes; its tangents are cast to the new primal outputs' dtypes. float32_reference: that JVP is traced
+    to a jaxpr at the original dtypes and interpreted in float32.
+    """
+    call = eqn.params["call_jaxpr"]
+    primal = _closed_fn(call, mode)
+    in_avals = [v.aval for v in eqn.invars]
+
+    def primal_fn(*xs):
+        return primal(*xs)
+
+    primal_fn.__name__ = getattr(call.jaxpr.debug_info, "func_name", None) or "custom_jvp"
+    fn = jax.custom_jvp(primal_fn)
+
+    def jvp(primals, tangents):
+        out = primal(*primals)
+        if mode.reference:
+            out_t = _reference_tangents(eqn, primals, tangents, mode)
+        else:
+            p0 = [cast(x, a.dtype) for x, a in zip(primals, in_avals)]
+            t0 = [_cast_tangent(t, a.dtype) for t, a in zip(tangents, in_avals)]
+            _, out_t = jax.jvp(lambda *xs: rules.bind(eqn, xs), p0, t0)
+        return out, [_cast_tangent(t, dtype_of(o)) for t, o in zip(out_t, out)]
+
+    fn.defjvp(jvp)
+    return list(fn(*vals))
+
+
+def _cast_tangent(t, primal_dtype):
+    dt = tangent_dtype(primal_dtype)
+    return t if dt == np.dtype(jax.dtypes.float0) else cast(t, dt)
+
+
+def _reference_tangents(eqn, primals, tangents, mode: Mode) -> list:
+    """The original JVP of a custom_jvp eqn, traced at its original dtypes and interpreted in float32."""
+    in_avals = [v.aval for v in eqn.invars]
+    diff = [tangent_dtype(a.dtype) != np.dtype(jax.dtypes.float0) for a in in_avals]
+
+    def orig_jvp(ps, ts):
+        it = iter(ts)
+        full = [next(it) if d else np.zeros(a.shape, jax.dtypes.float0) for a, d in zip(in_avals, diff)]
+        return jax.jvp(lambda *xs: rules.bind(eqn, xs), list(ps), full)[1]
+
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
+    closed = jax.make_jaxpr(orig_jvp)(specs, [s for s, d in zip(specs, diff) if d])
+    return interpret(closed.jaxpr, closed.consts, [*primals, *(t for t, d in zip(tangents, diff) if d)], mode)
+
+
+HIGHER_ORDER_RULES: dict[str, Callable[[Any, list, Mode], list]] = {
+    jex_core.primitives.jit_p.name: _jit_rule,
+    jex_core.primitives.closed_call_p.name: _closed_call_rule,
+    jex_core.primitives.call_p.name: _closed_call_rule,
+    jex_core.primitives.scan_p.name: _scan_rule,
+    jex_core.primitives.while_p.name: _while_rule,
+    jex_core.primitives.cond_p.name: _cond_rule,
+    jex_core.primitives.remat_p.name: _remat_rule,
+    jex_core.primitives.custom_jvp_call_p.name: _custom_jvp_rule,
+    jex_core.primitives.custom_vjp_call_p.name: rules.original_rule,
+    "shard_map": _shard_map_rule,
+}

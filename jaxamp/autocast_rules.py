@@ -1,0 +1,393 @@
+"""The per-primitive rules of `jaxamp.autocast`: op classes, casts and the first-order re-binding rules.
+
+`jaxamp.autocast`'s module docstring states the rules for users; this module implements those that re-bind one
+first-order primitive (no inner jaxpr). The higher-order rules (jit, scan, while, cond, remat, custom_jvp,
+custom_vjp, shard_map) call back into the interpreter and live in `jaxamp.autocast`.
+
+Every rule has the signature `rule(eqn, vals, mode, bounds) -> list` where `eqn` is the original `JaxprEqn`, `vals`
+are the rewritten input values (tracers or arrays, whose dtypes may differ from `eqn.invars`' avals), `mode` is a
+`Mode` and `bounds` gives, per input, the largest finite magnitude of an input known to be a constant (a Literal, or
+a broadcast of one), else None. It returns one value per `eqn.outvars`.
+
+The op classes follow torch.amp's CUDA autocast op lists
+(https://pytorch.org/docs/stable/amp.html#cuda-ops-that-can-autocast-to-float16): "lower precision" ops are the
+matmul class here, "float32" ops the float32 class, "promote to the widest input type" (and torch's default for
+unlisted ops, which run in their inputs' promoted type) the widest class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+
+__all__ = [
+    "FLOAT32_OPS",
+    "MATMUL_OPS",
+    "PASSTHROUGH_OPS",
+    "WIDEST_OPS",
+    "AutocastError",
+    "Mode",
+]
+
+F32 = np.dtype(jnp.float32)
+BF16 = np.dtype(jnp.bfloat16)
+F16 = np.dtype(jnp.float16)
+ELIGIBLE = frozenset({F32, BF16, F16})  # torch.amp's "eligible" floats: float64 and the float8s are never autocast
+
+# Matmul class: floating operands cast to the compute dtype, result in the compute dtype.
+MATMUL_OPS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+
+# Float32 class: floating inputs cast to float32, result float32 (torch.amp's "autocast to float32" list, as far as it
+# maps to JAX primitives, plus sqrt/cbrt/exp2/cumlogsumexp). integer_pow with a negative exponent (jnp.reciprocal)
+# joins it below, as torch's `reciprocal`.
+FLOAT32_OPS = frozenset({
+    "exp", "exp2", "log", "log1p", "expm1", "pow", "sqrt", "rsqrt", "cbrt", "reciprocal", "tan", "sinh", "cosh",
+    "asin", "acos", "erf_inv", "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
+})
+
+# Widest class: floating inputs that must agree are cast to the widest floating dtype among them (torch.amp's
+# "promote" rule; Literals, weak-typed values and scalars don't widen, see `widest_dtype`).
+WIDEST_OPS = frozenset({
+    # elementwise arithmetic and functions
+    "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "floor", "ceil", "round",
+    "nextafter", "atan2", "tanh", "logistic", "sin", "cos", "atan", "asinh", "acosh", "atanh", "erf", "erfc",
+    "lgamma", "digamma", "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta", "bessel_i0e", "bessel_i1e",
+    "regularized_incomplete_beta", "integer_pow", "square", "is_finite", "reduce_precision", "real", "imag", "conj",
+    # selection and comparison
+    "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "eq_to", "le_to", "lt_to",
+    "and", "or", "not", "xor", "shift_left", "shift_right_arithmetic", "shift_right_logical", "population_count", "clz",
+    # structural
+    "concatenate", "pad", "gather", "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
+    "scatter-max", "dynamic_slice", "dynamic_update_slice", "slice", "reshape", "transpose", "broadcast_in_dim",
+    "squeeze", "rev", "split", "tile", "broadcast_to", "zeros_like", "copy", "iota",
+    # reductions, scans, sorting (except reduce_sum/prod, cumsum/prod: float32 class)
+    "reduce_max", "reduce_min", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin", "cummax", "cummin",
+    "top_k", "reduce_window_sum", "reduce_window_max", "reduce_window_min", "select_and_scatter_add",
+    "select_and_gather_add",
+    # sharding, gradients, random bits
+    "sharding_constraint", "reshard", "mesh_cast", "stop_gradient", "random_bits", "random_seed", "random_wrap",
+    "random_unwrap", "random_fold_in", "random_split", "random_clone", "threefry2x32", "rng_bit_generator",
+    "rng_uniform", "axis_index",
+})
+
+# Passthrough: operands are independent (no agreement needed): re-bound with their current dtypes, no casts.
+PASSTHROUGH_OPS = frozenset({
+    "sort", "optimization_barrier", "device_put", "name", "psum", "pmax", "pmin", "psum_invariant", "all_gather",
+    "all_gather_invariant", "all_to_all", "ppermute", "pvary", "pbroadcast", "reduce_scatter",
+})
+
+_SCATTERS = frozenset({"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"})
+
+
+class AutocastError(RuntimeError):
+    """A primitive that autocast (or float32_reference) could not rewrite; the message names it and its source."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """What the interpreter rewrites to.
+
+    Attributes:
+      compute: the half-precision compute dtype (bfloat16 or float16) of `autocast`; None in `float32_reference`
+        mode, where every floating value is float32 and matmuls run at `Precision.HIGHEST`.
+    """
+
+    compute: np.dtype | None
+
+    @property
+    def reference(self) -> bool:
+        return self.compute is None
+
+    def fixed_dtype(self, dtype) -> np.dtype:
+        """The dtype a value that keeps its original dtype (a loop carry, an opaque op's input) has in this mode."""
+        return F32 if self.reference and is_low_float(dtype) else dtype
+
+
+# ----------------------------------------------------------------------------------------------------- dtype helpers
+
+
+def dtype_of(x):
+    """The dtype JAX gives `x` (a tracer, array, numpy value or Python scalar; x64-canonicalised; keys' too)."""
+    return jax.typeof(x).dtype
+
+
+def is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def is_low_float(dtype) -> bool:
+    """A floating dtype narrower than float32 (bfloat16, float16, the float8s/float4s): float32_reference widens it."""
+    return is_float(dtype) and np.dtype(dtype).itemsize < 4
+
+
+def cast(x, dtype):
+    """`x` as `dtype` (unchanged when it already has it); a `convert_element_type` in the current trace."""
+    return x if dtype_of(x) == dtype else lax.convert_element_type(x, dtype)
+
+
+def strong_cast(x, dtype):
+    """`cast` that also makes a weak-typed `x` strong: loop carries must keep one exact type."""
+    if dtype_of(x) == dtype and not jax.typeof(x).weak_type:
+        return x
+    return lax.convert_element_type(x, dtype)
+
+
+def tangent_dtype(dtype) -> np.dtype:
+    """The tangent dtype of a primal dtype (float0 for integers, booleans and keys)."""
+    return np.dtype(dtype) if jnp.issubdtype(dtype, jnp.inexact) else np.dtype(jax.dtypes.float0)
+
+
+def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The widest of some eligible floats: float32 if any is float32, or if bfloat16 meets float16."""
+    kinds = set(dtypes)
+    return next(iter(kinds)) if len(kinds) == 1 else F32
+
+
+def _is_weak(var, x) -> bool:
+    """A Literal or a weak-typed value (Python scalars and what JAX derives from them): it does not widen an op."""
+    return isinstance(var, jex_core.Literal) or jax.typeof(x).weak_type
+
+
+_TRACER = getattr(jax.core, "Tracer", None) or jax._src.core.Tracer
+
+
+def const_bound(x) -> float | None:
+    """The largest finite magnitude of a known (non-traced, small) constant value, else None."""
+    if isinstance(x, _TRACER) or np.size(x) > 64 or not is_float(dtype_of(x)):
+        return None
+    value = np.abs(np.asarray(x, dtype=np.float64))
+    return float(np.max(value[np.isfinite(value)], initial=0.0))
+
+
+# The ops whose output holds the values of their (first) input: a constant's bound carries through them.
+BOUND_PRESERVING = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "transpose", "copy"})
+
+
+def widest_dtype(eqn, vals, bounds=None) -> np.dtype | None:
+    """The dtype an op of the widest class computes in: the widest eligible floating dtype among its inputs.
+
+    Literals and weak-typed inputs (Python scalars, `jnp.where(m, x, 0.0)`'s 0.0) don't widen, as torch's wrapped
+    numbers don't, unless every floating input is one, or a constant one would overflow the narrower dtype
+    (`jnp.where(m, x, -1e9)` or `finfo(float32).min` in float16): then it counts.
+
+    Returns:
+      The dtype, or None when the op has no eligible floating input.
+    """
+    bounds = bounds or [None] * len(vals)
+    floats = [(var, x, dtype_of(x), b) for var, x, b in zip(eqn.invars, vals, bounds) if dtype_of(x) in ELIGIBLE]
+    if not floats:
+        return None
+    strong = [d for var, x, d, _ in floats if not _is_weak(var, x)]
+    target = widest(strong or [d for _, _, d, _ in floats])
+    limit = float(jnp.finfo(target).max)
+    big = [d for var, x, d, b in floats if _is_weak(var, x) and ((const_bound(x) if b is None else b) or 0.0) > limit]
+    return widest([target, *big])
+
+
+# ---------------------------------------------------------------------------------------------------- binding helpers
+
+
+def bind(eqn, vals, params: dict | None = None) -> list:
+    """Binds `eqn`'s primitive on `vals` with `params` (default: the eqn's own), as `jax.core.eval_jaxpr` does."""
+    prim = eqn.primitive
+    out = prim.bind(*vals, **prim.get_bind_params(eqn.params if params is None else params))
+    return list(out) if prim.multiple_results else [out]
+
+
+def checked_bind(eqn, vals, params: dict | None = None) -> list:
+    """`bind`, re-raising a failure of the rewritten op as an AutocastError that names the primitive."""
+    try:
+        return bind(eqn, vals, params)
+    except (TypeError, ValueError) as err:
+        in_types = ", ".join(str(jax.typeof(x).str_short()) for x in vals)
+        raise AutocastError(
+            f"autocast could not re-bind primitive '{eqn.primitive.name}' ({_where(eqn)}) on ({in_types}), "
+            f"originally ({', '.join(v.aval.str_short() for v in eqn.invars)}): {err}. Keep this op float32 with "
+            f"`with jaxamp.autocast.disabled():` around it.") from err
+
+
+def _where(eqn) -> str:
+    return source_info_util.summarize(eqn.source_info)
+
+
+def original_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """Runs `eqn` exactly as the original program did: inputs cast back to its dtypes, its own params.
+
+    The rule of every primitive outside the known lists (linear algebra, FFT, callbacks, custom calls, reduce with a
+    jaxpr, bitcasts, ...) and of custom_vjp; in `float32_reference` mode its low-precision outputs are then widened.
+    """
+    vals = [cast(x, var.aval.dtype) if _has_dtype(var) else x for var, x in zip(eqn.invars, vals)]
+    return bind(eqn, vals)
+
+
+def _has_dtype(var) -> bool:
+    return hasattr(var.aval, "dtype")
+
+
+def _cast_floats(vals, dtype, which: Callable[[np.dtype], bool]) -> list:
+    return [cast(x, dtype) if which(dtype_of(x)) else x for x in vals]
+
+
+def _ref_float(d) -> bool:
+    return d in ELIGIBLE or is_low_float(d)
+
+
+# -------------------------------------------------------------------------------------------------- first-order rules
+
+
+def matmul_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """dot_general / conv_general_dilated / ragged_dot_general: operands in the compute dtype, result too.
+
+    `preferred_element_type` (the result dtype): `jnp.matmul`/`einsum`/`dot` in float32 code record it as float32,
+    exactly as an explicit `preferred_element_type=jnp.float32` would, so a value equal to the operands' own result
+    dtype (or None) counts as the default and becomes the compute dtype. Any other value (bf16 operands with a float32
+    result, int8 operands with int32) was asked for explicitly and is kept. Operands that are not eligible floats
+    (integers, float8, float64) leave the op as it was (`original_rule`). In float32_reference mode operands and a
+    low-precision result dtype become float32, and `precision` becomes HIGHEST.
+    """
+    n = 2  # lhs, rhs; ragged_dot_general's third operand is the int32 group sizes
+    orig = [eqn.invars[i].aval.dtype for i in range(n)]
+    if not all(dtype_of(x) in ELIGIBLE or (mode.reference and is_low_float(dtype_of(x))) for x in vals[:n]):
+        return original_rule(eqn, vals, mode, bounds)
+    params = dict(eqn.params)
+    pet = params.get("preferred_element_type")
+    if mode.reference:
+        target = F32
+        if pet is not None and is_low_float(pet):
+            params["preferred_element_type"] = F32
+        params["precision"] = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+    else:
+        target = mode.compute
+        if pet is None or np.dtype(pet) == widest(orig):
+            params["preferred_element_type"] = target
+    return checked_bind(eqn, [cast(x, target) for x in vals[:n]] + list(vals[n:]), params)
+
+
+def float32_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """exp, log, pow, rsqrt, reduce_sum, cumsum, ...: floating inputs cast to float32, result float32."""
+    which = _ref_float if mode.reference else (lambda d: d in ELIGIBLE)
+    return checked_bind(eqn, _cast_floats(vals, F32, which))
+
+
+def integer_pow_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """x ** n: float32 class for n < 0 (torch's `reciprocal`), widest class otherwise."""
+    return (float32_rule if eqn.params["y"] < 0 else widest_rule)(eqn, vals, mode, bounds)
+
+
+def widest_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """Elementwise/structural ops: floating inputs cast to the widest floating dtype among them (`widest_dtype`).
+
+    Float32_reference mode casts every low-precision floating input to float32. Scatters whose dtype changes get an
+    update computation (`update_jaxpr`) re-traced for the new dtype.
+    """
+    if mode.reference:
+        target = F32 if any(_ref_float(dtype_of(x)) for x in vals) else None
+    else:
+        target = widest_dtype(eqn, vals, bounds)
+    if target is None:
+        return checked_bind(eqn, vals)
+    vals = _cast_floats(vals, target, _ref_float if mode.reference else (lambda d: d in ELIGIBLE))
+    params = eqn.params
+    if eqn.primitive.name in _SCATTERS and eqn.invars[0].aval.dtype != target:
+        params = _scatter_params(eqn, target)
+    return checked_bind(eqn, vals, params)
+
+
+def _scatter_params(eqn, dtype) -> dict:
+    """A scatter's params with its update computation (a scalar jaxpr in the original dtype) re-traced for `dtype`.
+
+    The new computation casts to the original dtype, applies the original one, and casts the result to `dtype`.
+    """
+    params = dict(eqn.params)
+    update = params.get("update_jaxpr")
+    if update is None:
+        return params
+    orig = eqn.invars[0].aval.dtype
+    fn = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(update, list(params["update_consts"])))
+    scalar = jax.ShapeDtypeStruct((), dtype)
+    closed = jax.make_jaxpr(lambda a, b: [cast(o, dtype) for o in fn(cast(a, orig), cast(b, orig))])(scalar, scalar)
+    params["update_jaxpr"], params["update_consts"] = closed.jaxpr, tuple(closed.consts)
+    return params
+
+
+def passthrough_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """sort, optimization_barrier, collectives, checkpoint names: operands independent, bound as they are.
+
+    Float32_reference mode widens low-precision operands to float32 first.
+    """
+    if mode.reference:
+        vals = _cast_floats(vals, F32, is_low_float)
+    return checked_bind(eqn, vals)
+
+
+def convert_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """convert_element_type: an explicit cast stays as written.
+
+    A convert whose original input and output dtypes are equal only changes weak-typedness (JAX inserts them, e.g.
+    in `jnp.where(m, x, -1e9)`): it keeps the value's current dtype, and a weak value stays weak (so the constant
+    follows `x`'s dtype in the select, see `widest_dtype`). In float32_reference mode a cast to a low-precision float
+    (the model's `dtype=jnp.bfloat16`) casts to float32 instead.
+    """
+    (x,) = vals
+    params = dict(eqn.params)
+    new = params["new_dtype"]
+    if is_float(new) and eqn.invars[0].aval.dtype == new:
+        if jax.typeof(x).weak_type and not mode.reference:
+            return [x]  # a weak constant made strong for an op: it stays weak, so it follows that op's other inputs
+        params["new_dtype"] = dtype_of(x)
+    elif mode.reference and is_low_float(new):
+        params["new_dtype"] = F32
+    return checked_bind(eqn, [x], params)
+
+
+def iota_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """iota: as written; a low-precision float iota is float32 in float32_reference mode."""
+    params = dict(eqn.params)
+    if mode.reference and is_low_float(params["dtype"]):
+        params["dtype"] = F32
+    return checked_bind(eqn, vals, params)
+
+
+FIRST_ORDER_RULES: dict[str, Callable[[Any, list, Mode], list]] = {
+    **{name: matmul_rule for name in MATMUL_OPS},
+    **{name: float32_rule for name in FLOAT32_OPS},
+    **{name: widest_rule for name in WIDEST_OPS},
+    **{name: passthrough_rule for name in PASSTHROUGH_OPS},
+    "integer_pow": integer_pow_rule,
+    "convert_element_type": convert_rule,
+    "iota": iota_rule,
+}
+
+
+def check_outputs(eqn, outs: list, mode: Mode) -> list:
+    """Checks a rule's outputs against the original eqn; in float32_reference mode widens low-precision ones.
+
+    Shapes must match; a non-floating output keeps its dtype; a floating one stays floating.
+
+    Raises:
+      AutocastError: naming the primitive, when a rule broke one of those.
+    """
+    if len(outs) != len(eqn.outvars):
+        raise AutocastError(f"autocast: primitive '{eqn.primitive.name}' ({_where(eqn)}) gave {len(outs)} outputs, "
+                            f"expected {len(eqn.outvars)}")
+    checked = []
+    for var, out in zip(eqn.outvars, outs):
+        aval = var.aval
+        if hasattr(aval, "dtype"):
+            got = jax.typeof(out)
+            same_kind = is_float(got.dtype) if is_float(aval.dtype) else got.dtype == aval.dtype
+            if got.shape != aval.shape or not same_kind:
+                raise AutocastError(f"autocast: the rewritten primitive '{eqn.primitive.name}' ({_where(eqn)}) gave "
+                                    f"{got.str_short()} where the original gave {aval.str_short()}")
+            if mode.reference and is_low_float(got.dtype):
+                out = cast(out, F32)
+        checked.append(out)
+    return checked
