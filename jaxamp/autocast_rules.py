@@ -1,8 +1,8 @@
 """The per-primitive rules of `jaxamp.autocast`: op classes, casts and the first-order re-binding rules.
 
-`jaxamp.autocast`'s module docstring states the rules for users; this module implements those that re-bind one
+`jaxamp.autocasting`'s module docstring states the rules for users; this module implements those that re-bind one
 first-order primitive (no inner jaxpr). The higher-order rules (jit, scan, while, cond, remat, custom_jvp,
-custom_vjp, shard_map) call back into the interpreter and live in `jaxamp.autocast`.
+custom_vjp, shard_map) call back into the interpreter and live in `jaxamp.autocasting`.
 
 Every rule has the signature `rule(eqn, vals, mode, bounds) -> list` where `eqn` is the original `JaxprEqn`, `vals`
 are the rewritten input values (tracers or arrays, whose dtypes may differ from `eqn.invars`' avals), `mode` is a

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 
+from jaxamp.autocasting import float32_reference
 from jaxamp.fp8_collection import merge_fp8, split_fp8
 from jaxamp.fp8_report import fp8_bypassed
 from jaxamp.gradients import LossFn, gradients
@@ -43,13 +44,15 @@ def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
     Args:
       state: the `TrainState` (its policy and loss scale make the mixed-precision gradient).
       batch: the batch, as `train_step` takes it.
-      loss_fn: as for `train_step`; it must compute in the dtype its params arrive in (the float32 recomputation
-        hands it float32 params).
+      loss_fn: as for `train_step`. The float32 recomputation hands it float32 params and runs it under
+        `jaxamp.float32_reference`: every floating value float32 at trace level, also where the model fixes its own
+        dtype (Flax's and Hugging Face's `dtype=jnp.bfloat16` in a config casts to float32 there), so the two sides
+        never both run in half precision.
       accum_steps: micro-batches, as for `train_step`.
-      reference_loss_fn: the loss of the float32 recomputation, for a model whose precision lives in the model
-        itself (it gets the params without the FP8 collection). None = `loss_fn`, with its FP8 ops (if the params
-        hold an FP8 collection) bypassed: each computes its plain matmul in float32 (`fp8_report.fp8_bypassed`), so
-        the error includes what FP8 costs.
+      reference_loss_fn: the loss of the float32 recomputation instead, for a model whose precision cannot be
+        overridden (it gets the params without the FP8 collection). None = `loss_fn` under `float32_reference`, or,
+        with FP8 ops (the params hold an FP8 collection), `loss_fn` with those bypassed: each computes its plain
+        matmul in float32 (`fp8_report.fp8_bypassed`), so the error includes what FP8 costs.
 
     Returns:
       `{leaf path: f32[] error}`, keys as `jaxamp.precision.leaf_path` writes them (`"h_0/mlp/c_fc/kernel"`);
@@ -93,6 +96,8 @@ def _reference(state, batch, loss_fn, rng, accum_steps, reference_loss_fn, carry
         reference = reference.replace(params=split_fp8(reference.params)[0])
     elif split_fp8(state.params)[1] is not None:
         reference_loss_fn = _without_fp8(loss_fn)
+    else:  # float32 at trace level, also where the model fixes its own dtype (`dtype=jnp.bfloat16` in its config)
+        reference_loss_fn = float32_reference(loss_fn)
     # Full float32 matmuls (not TF32 on a GPU). Also part of jit's cache key: a jitted function inside loss_fn is
     # traced again for the reference, so its FP8 ops are bypassed there, and its cached FP8 trace stays as it was.
     with jax.default_matmul_precision("highest"):

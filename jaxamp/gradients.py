@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp import fp8_collection as fp8c
+from jaxamp.autocasting import autocast
 from jaxamp.grad_stats import underflow_stats
 from jaxamp.precision import uses_autocast
 from jaxamp.state import TrainState
@@ -84,12 +85,8 @@ def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
 
 def compute_loss(policy, loss_fn: Callable) -> Callable:
     """`loss_fn` as the policy runs it on its compute copy of the params: as it is (the params arrive cast), or
-    under `jaxamp.autocast.autocast` with the compute dtype for an autocast policy (the params arrive float32)."""
-    if not uses_autocast(policy):
-        return loss_fn
-    from jaxamp.autocast import autocast  # pylint: disable=import-outside-toplevel  (the interpreter loads lazily)
-
-    return autocast(loss_fn, policy.compute_dtype)
+    under `jaxamp.autocast` with the compute dtype for an autocast policy (the params arrive float32)."""
+    return autocast(loss_fn, policy.compute_dtype) if uses_autocast(policy) else loss_fn
 
 
 def split_micro(batch: PyTree, accum_steps: int) -> PyTree:

@@ -66,7 +66,7 @@ class Policy(jmp.Policy):
     preset is float32 master weights, bfloat16 compute and FP8 matmuls.
 
     `autocast` says that the params are not cast at all: `loss_fn` receives the float32 master weights and runs under
-    `jaxamp.autocast.autocast(loss_fn, compute_dtype)` (torch.amp's autocast: matmuls and convolutions in the
+    `jaxamp.autocast(loss_fn, compute_dtype)` (torch.amp's autocast: matmuls and convolutions in the
     compute dtype, exponentials, logarithms, norms, sums and losses in float32, everything else in the widest type
     of its inputs), so unchanged float32 model code computes in half precision with float32 sums.
 

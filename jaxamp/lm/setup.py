@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxamp.audit import precision_audit
 from jaxamp.fidelity import grad_fidelity
 from jaxamp.fp8_collection import split_fp8
 from jaxamp.lm.config import ConfigError, TrainConfig, validate
@@ -136,6 +137,16 @@ class Run:
                 f"loss scale {type(self.state.loss_scale).__name__}"
                 + ("" if self.mesh is None else f"; mesh {format_mesh_spec(self.mesh)} over {jax.device_count()} "
                    f"devices ({jax.process_count()} process(es)), global batch {cfg.batch_size}"))
+
+    def precision_summary(self) -> str | None:
+        """The precision audit's one line for this run's step (`jaxamp.precision_audit`, traced on the batch's
+        shapes, nothing computed), or None for a float32 compute dtype."""
+        if jnp.dtype(self.state.policy.compute_dtype).itemsize >= 4:
+            return None
+        rows = self.cfg.batch_size * self.cfg.accum_steps
+        tokens = jax.ShapeDtypeStruct((rows, self.cfg.seq_len), jnp.int32)
+        return precision_audit(self.state, (tokens, tokens), make_loss_fn(self.model),
+                               accum_steps=self.cfg.accum_steps).summary()
 
 
 def build(cfg: TrainConfig) -> Run:

@@ -178,6 +178,9 @@ def _train_in_workdir(run: Run, workdir: Path, ckpt: Checkpointer, stop: StopReq
         if run.dataset.bpe_cache is not None and is_main_process():  # after the resume checks passed
             write_bpe_cache(run.dataset.bpe_cache, workdir / BPE_DIR)
         say(run.header())
+        summary = run.precision_summary()
+        if summary:
+            say(summary)
         logger = open_logger(workdir, int(state.step), history)
         state, stopped_by, wall_s = _train_loop(run, ckpt, logger, state, stop, switched_from)
         logger.close()
