@@ -230,13 +230,14 @@ def activation_ranges(model: nn.Module, params: PyTree, batches: Sequence, *, ap
       compute_dtype: the half-precision compute dtype whose contract decides `float32_island` (below).
 
     Returns:
-      One dict per layer, in the order the calls completed (children before parents):
-        `layer`: the module path, "h_0/mlp/c_fc" ("(output)" for the model's own output);
-        `module`: the module's class name; `shape`: one call's output shape; `calls`: number of captured calls;
-        `float32_island`: True when this output stays float32 even with the params cast to `compute_dtype` (the
+      One dict per layer, in the order the calls completed (children before parents)
+
+        - `layer`: the module path, "h_0/mlp/c_fc" ("(output)" for the model's own output);
+        - `module`: the module's class name; `shape`: one call's output shape; `calls`: number of captured calls;
+        - `float32_island`: True when this output stays float32 even with the params cast to `compute_dtype` (the
           model keeps it in float32, e.g. jaxamp's float32 logits); such layers never see half precision and
           `recommend_policy` ignores them;
-        and the keys of `range_fractions` (`size`, `max_abs`, `nonfinite`, `fp16_overflow`, `fp16_flush_to_zero`,
+        - and the keys of `range_fractions` (`size`, `max_abs`, `nonfinite`, `fp16_overflow`, `fp16_flush_to_zero`,
           `fp16_below_normal`, and the same for `bf16`), over all batches and calls.
 
     Raises:
@@ -433,6 +434,7 @@ def gradient_underflow(loss_fn: Callable, params: PyTree, batches: Sequence, *, 
     For each batch, one backward pass each: (a) float32 reference, `loss_fn(params, batch, rng)`; (b) params cast
     to `compute_dtype`, loss scale 1; (c) params cast to `compute_dtype`, loss multiplied by `loss_scale` (as
     `jaxamp.train_step` does). Each pass gives both
+
     - parameter gradients: with respect to the float32 master params (the float16 cotangent, cast to float32 by the
       cast's transpose, as in `train_step`), and
     - activation gradients: with respect to a zero added to the output of every leaf flax module called inside

@@ -24,13 +24,14 @@ def underflow_stats(scaled_grads: PyTree) -> dict:
         (what float16 actually holds during the backward pass).
 
     Returns:
-      A dict of float32 scalars and trees of them:
-        `zero_fraction`: f32[] share of all gradient elements that are exactly 0 (flushed to zero, or truly zero,
+      A dict of float32 scalars and trees of them
+
+        - `zero_fraction`: f32[] share of all gradient elements that are exactly 0 (flushed to zero, or truly zero,
           e.g. embedding rows of tokens absent from the batch);
-        `headroom_log2`: f32[] log2(max finite value of the dtype / max |scaled gradient|): how many doublings the
+        - `headroom_log2`: f32[] log2(max finite value of the dtype / max |scaled gradient|): how many doublings the
           loss scale can still take before overflow (negative or -inf: overflowed; NaN: a gradient is NaN, e.g.
           inf - inf in the backward pass; +inf: all zero);
-        `leaf_zero_fraction`, `leaf_headroom_log2`: the same per leaf (a tree like the params).
+        - `leaf_zero_fraction`, `leaf_headroom_log2`: the same per leaf (a tree like the params).
     """
 
     def leaf(g):

@@ -190,7 +190,7 @@ class DynamicLossScale(LossScale):
     unless overflows come as isolated spikes. With the default floor `min_loss_scale=1.0`, a loss whose unscaled
     float16 gradients overflow (e.g. a sum over a large batch) is skipped at every step (`grads_finite` stays
     False); lower the floor or average the loss. The algorithm, applied by `adjust(grads_finite)` once per optimizer
-    step:
+    step::
 
         if grads_finite:
             overflow_counter = 0

@@ -1,5 +1,5 @@
 """Flax NNX models under jaxamp: an `Optimizer` that holds the optax state and the loss scale, and an in-place
-`train_step(model, opt, batch, loss_fn)` built on the functional `jaxamp.train_step`.
+`train_step(model, opt, batch, loss_fn)` built on the functional `jaxamp.train_step`::
 
     from flax import nnx
     from jaxamp import DynamicLossScale

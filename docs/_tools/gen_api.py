@@ -1,0 +1,101 @@
+"""Writes docs/api/*.rst, one page per public module (run by hand when a module or its __all__ changes; the pages are
+committed, and tests/test_docs.py checks that every public name reaches the built reference).
+
+Names re-exported by `jaxamp` (and `jaxamp.nnx`'s FP8 layers) are documented once, where most code imports them; the
+defining module's page names them (classes: Sphinx's canonical alias; functions and data: a short entry linking
+there). Module data (constants) are listed with `autodata`.
+"""
+
+import importlib
+import inspect
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+MODULES = {
+    "jaxamp": "the names most programs need",
+    "jaxamp.loss_scale": "loss scales and their registry",
+    "jaxamp.precision": "precision policies",
+    "jaxamp.state": "the training state",
+    "jaxamp.step": "the train and eval steps",
+    "jaxamp.gradients": "steps 1 to 5 of the train step",
+    "jaxamp.finite": "the one finite check",
+    "jaxamp.metrics": "the step's metrics",
+    "jaxamp.trainable": "frozen and trainable leaves",
+    "jaxamp.fp8_collection": "the FP8 collection's rules",
+    "jaxamp.fidelity": "gradient fidelity against float32",
+    "jaxamp.diagnostics": "activation ranges and gradient underflow",
+    "jaxamp.fp8_report": "FP8 ranges",
+    "jaxamp.grad_stats": "overflowed leaves and underflow",
+    "jaxamp.layers": "layers whose gradient sums stay float32",
+    "jaxamp.attention": "attention as a float32 island",
+    "jaxamp.nnx": "Flax NNX models",
+    "jaxamp.nnx_fp8": "FP8 layers for Flax NNX",
+    "jaxamp.sharding": "meshes, sharded states and steps, several processes",
+    "jaxamp.checkpoint": "checkpoints with integrity checks",
+}
+PRIMARY = ("jaxamp", "jaxamp.nnx")  # their re-exports are documented there
+# Module data have no docstrings of their own: their descriptions (from the comments beside them in the source).
+DATA_DOCS = {
+    "PRESETS": "The named policies of ``get_policy`` (``fp32``, ``bf16``, ``fp16``, ``fp8``, ...), by name.",
+    "LOSS_SCALES": "The registry: every loss-scale type by its class name (checkpoint records name the type).",
+    "LossFn": "``loss_fn(params, batch, rng) -> loss`` or ``(loss, aux)``: the loss function ``train_step`` takes.",
+    "STEP_METRICS": "Every key of the step's metrics: ``{key: (shape and dtype, meaning)}``.",
+    "FP8_COLLECTION": "The collection in which Flax's FP8 ops keep their scales and amax histories; the "
+                      "\"gradient\" of each is its new value.",
+    "FORMATS": "``float16`` and ``bfloat16`` as ``FloatFormat``\\ s: their range and rounding thresholds.",
+    "LOG2_BINS": "Histogram bins: bin ``i`` holds nonzero ``|g|`` in ``[2^(LOG2_BINS[i]), 2^(LOG2_BINS[i] + 1))``; "
+                 "the first and last bins also take everything below / above them.",
+    "FP8_FORMATS": "The FP8 formats (``e4m3``, ``e5m2`` and AMD's ``fnuz`` forms) as ``FloatFormat``\\ s.",
+    "AXES": "The mesh's axis names, in order.",
+}
+
+
+def _is_data(obj) -> bool:
+    return not (inspect.isclass(obj) or inspect.isroutine(obj))
+
+
+def page(name: str, title: str, home: dict) -> str:
+    mod = importlib.import_module(name)
+    head = f"``{name}``: {title}"
+    elsewhere = [n for n in mod.__all__ if home.get(id(getattr(mod, n)), f"{name}.{n}") != f"{name}.{n}"]
+    data = [n for n in mod.__all__ if n not in elsewhere and _is_data(getattr(mod, n))]
+    lines = [head, "=" * len(head), "", f".. automodule:: {name}"]
+    if elsewhere or data:
+        lines.append(f"   :exclude-members: {', '.join(elsewhere + data)}")
+    for n in data:
+        short = len(repr(getattr(mod, n))) <= 100
+        lines += ["", f".. autodata:: {n}"] + ([] if short else ["   :no-value:"]) + ["", f"   {DATA_DOCS[n]}"]
+    if elsewhere:
+        lines += ["", "Also in this module's ``__all__``, documented where most code imports them:", ""]
+        for n in elsewhere:
+            obj, where = getattr(mod, n), home[id(getattr(mod, n))]
+            if inspect.isclass(obj):  # autodoc registers this module's name as the class's canonical alias
+                lines.append(f"- :py:class:`{where}`")
+        for n in elsewhere:
+            obj, where = getattr(mod, n), home[id(getattr(mod, n))]
+            if inspect.isclass(obj):
+                continue
+            directive, role = ("function", "func") if callable(obj) else ("data", "data")
+            lines += ["", f".. py:{directive}:: {n}" + ("(...)" if callable(obj) else ""), "",
+                      f"   The same {'function' if callable(obj) else 'object'} as :py:{role}:`{where}`."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    home = {}
+    for primary in PRIMARY:
+        mod = importlib.import_module(primary)
+        for n in mod.__all__:
+            home.setdefault(id(getattr(mod, n)), f"{primary}.{n}")
+    out = ROOT / "docs" / "api"
+    for name, title in MODULES.items():
+        (out / f"{name}.rst").write_text(page(name, title, home), encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()
