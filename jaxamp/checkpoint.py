@@ -57,8 +57,11 @@ orbax pitfalls handled here (orbax-checkpoint 0.12.8):
   them all.
 - A save whose step folder is missing after orbax reports success raises `CheckpointSaveError` too.
 
-The integrity record is built in `jaxamp.checkpoint_record`; orbax's failure reports are kept quiet, and failures
-told in one line, by `jaxamp.checkpoint_quiet`.
+Modules. This one holds the policy: what is saved, the checks against the record, the fallback to the previous
+step, setting unusable steps aside, the messages. Every orbax and tensorstore call (the writer and read-only
+managers, the items' save and restore arguments, the OCDBT index check, the step and tmp folder listing) is in
+`jaxamp.checkpoint_storage`; the integrity record is built and checked in `jaxamp.checkpoint_record`; orbax's
+failure reports are kept quiet, and failures told in one line, by `jaxamp.checkpoint_quiet`.
 """
 
 from __future__ import annotations
@@ -67,16 +70,14 @@ import errno as errno_codes
 import gc
 import json
 import os
-import re
 import time
 import warnings
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
-import tensorstore as ts
 
-from jaxamp.checkpoint_quiet import after_failed_save, quiet_library_failures, save_reason, short_error
+from jaxamp import checkpoint_storage as storage
+from jaxamp.checkpoint_quiet import after_failed_save, quiet_library_failures, save_reason
 from jaxamp.checkpoint_record import (
     READABLE_FORMATS,
     config_digest,
@@ -92,10 +93,6 @@ from jaxamp.state import TrainState
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointSaveError", "Checkpointer",
            "loss_scale_from_record"]
 
-_ITEMS = ("state", "config", "integrity", "metrics")
-_STEP_RE = re.compile(r"^\d+$")
-_TMP_RE = re.compile(r"^\d+\.orbax-checkpoint-tmp.*$")
-_ORBAX_ROOT_ENTRIES = frozenset({"metadata"})  # orbax's root metadata folder (written only with custom metadata)
 _clock = time.monotonic  # how long a save waited for the previous one (a test replaces it)
 
 
@@ -130,24 +127,6 @@ class _Unusable(Exception):
     """Internal: this step cannot be restored; the message is the reason."""
 
 
-def _check_index(item_dir: Path) -> None:
-    """Lists the keys of an OCDBT array database (its manifest and b-tree nodes), or raises _Unusable.
-
-    Run before the concurrent array reads: when the index itself is damaged, each of those reads fails and
-    tensorstore prints a "RuntimeError: Event loop is closed" traceback for every one still pending after orbax
-    closes its event loop (hundreds of lines for one bad file). This one read fails quietly instead.
-    """
-    if not (item_dir / "manifest.ocdbt").exists():
-        if (item_dir / "d").exists() or any(item_dir.glob("ocdbt.process_*")):
-            raise _Unusable(f"its array index ({item_dir.name}/manifest.ocdbt) is missing")
-        return  # not an OCDBT database (orbax wrote another format): orbax's restore checks it
-    try:
-        store = ts.KvStore.open({"driver": "ocdbt", "base": item_dir.resolve().as_uri() + "/"}).result()
-        store.list().result()
-    except Exception as err:  # noqa: BLE001 - tensorstore raises ValueError with a DATA_LOSS status and others
-        raise _Unusable(f"its array index is unreadable: {short_error(err)}") from None
-
-
 def loss_scale_from_record(record: dict) -> LossScale:
     """A loss scale of the type and hyperparameters an integrity record names (`record["loss_scale"]`), e.g. a
     restore target for a checkpoint saved under another precision; its values come from the restore.
@@ -161,11 +140,68 @@ def loss_scale_from_record(record: dict) -> LossScale:
         raise CheckpointError(f"{err} in a checkpoint record") from None
 
 
+def _check_save_args(config, metrics) -> None:
+    """Raises ValueError unless `config` is a JSON-serializable dict and `metrics` None or a JSON-serializable list."""
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict, got {type(config).__name__}")
+    try:
+        json.dumps(config)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"config must be JSON-serializable: {err}") from None
+    if metrics is not None:
+        try:
+            if not isinstance(metrics, list):
+                raise TypeError(f"got {type(metrics).__name__}")
+            json.dumps(metrics)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"metrics must be a JSON-serializable list: {err}") from None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
 class Checkpointer:
     """Saves `TrainState`s asynchronously with orbax and restores the newest usable one, verified by sha256.
+
+    What is saved. Each `save` writes one step folder with the whole `TrainState` (params, opt_state, the loss
+    scale's values, step, rng), the run's `config` (a JSON dict), an integrity record and, when given, a `metrics`
+    list (e.g. the training log up to that step). Static fields (`tx`, `policy`, the loss scale's hyperparameters)
+    are not stored as objects: `restore` takes them from its abstract target, and the record tells whether the
+    target matches what was saved. Nothing is pickled: orbax's standard format and JSON only.
+
+    Directory layout (orbax's default names; checkpoints written by earlier jaxamp versions restore)::
+
+        directory/
+          4/                            a committed step, named by its number
+            state/                      the TrainState's arrays (orbax standard format, an OCDBT database)
+            config/  integrity/         JSON: the run's config; the integrity record (`integrity/metadata`)
+            metrics/                    JSON: the `metrics` list (only when saved with one)
+            _CHECKPOINT_METADATA        orbax's step metadata
+          8.orbax-checkpoint-tmp-*/     a save in progress or cut short (`interrupted_saves`); never read
+
+    The integrity record holds each array leaf's sha256, dtype and shape (per shard in a multi-process run), the
+    loss scale's type and hyperparameters, the policy name, the pytree structure, the digests of the config and
+    metrics, and its own digest (see `jaxamp.checkpoint_record`).
+
+    Integrity guarantees:
+      - A restored state is bitwise the saved one: every leaf's sha256 is recomputed and compared with the record.
+        A step that differs, or whose files are missing, truncated or unreadable, is skipped with a warning and the
+        previous one is tried (unless `restore` gets `step`).
+      - A step saved with other settings (the config's `match_keys`, the loss scale, the policy, a leaf's presence,
+        dtype or shape, the pytree structure) raises `CheckpointMismatchError` before any array is read: nothing is
+        cast or reshaped silently, and no older step is tried instead.
+      - A step folder appears under its number only once its save is complete (orbax renames its tmp folder), so a
+        process killed mid-save leaves the previous steps intact; a failed save raises `CheckpointSaveError` once.
+      - Steps on disk are never overwritten, and a directory holding entries other than checkpoints is refused
+        before anything is read, written or deleted.
+
+    orbax. Written and tested against orbax-checkpoint 0.12.8 (the project accepts 0.11.32 to 0.12), whose pitfalls
+    it handles: an empty or half-deleted step folder that breaks orbax's manager, saves that orbax refuses without
+    an error, dtypes cast silently, restores without a target, and failure reports of hundreds of lines (the
+    module docstring lists them). Every orbax call is in `jaxamp.checkpoint_storage`.
+
+    One writer per directory: two `Checkpointer`s saving into the same directory at once (two runs sharing a
+    workdir) collide in orbax's temporary folders.
 
     Args:
       directory: the checkpoint folder. Created at the first save if missing. If it exists it must hold nothing
@@ -179,6 +215,12 @@ class Checkpointer:
     Raises:
       CheckpointError: `directory` is a file, or holds entries that are not checkpoints (named in the message).
       ValueError: `keep` < 1.
+
+    Example::
+
+        with Checkpointer(workdir / "checkpoints", keep=3) as ckpt:
+            ckpt.save(state, {"lr": 1e-3})
+        state, config = Checkpointer(workdir / "checkpoints").restore(jax.eval_shape(build_state))
     """
 
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True, checksums: bool = True):
@@ -188,7 +230,7 @@ class Checkpointer:
         self._keep = keep
         self._async = bool(async_save)
         self._checksums = bool(checksums)
-        self._manager: ocp.CheckpointManager | None = None  # the writer, created at the first save
+        self._manager: storage.Writer | None = None  # the writer, created at each save
         self._pending: int | None = None  # the step of a save started and not yet waited for
         self._slow_noted = False  # warned once that saves wait for each other
         quiet_library_failures()
@@ -207,53 +249,40 @@ class Checkpointer:
             return
         if not self._dir.is_dir():
             raise CheckpointError(f"checkpoint directory {self._dir} is not a directory")
-        stray = []
-        for entry in sorted(os.listdir(self._dir)):
-            path = self._dir / entry
-            ours = _STEP_RE.match(entry) or _TMP_RE.match(entry) or entry in _ORBAX_ROOT_ENTRIES
-            if ours and (path.is_dir() or not path.exists()):  # gone since listdir: a tmp folder orbax just renamed
-                continue
-            stray.append(entry + ("/" if path.is_dir() else ""))
+        stray = storage.stray_entries(self._dir)
         if stray:
             raise CheckpointError(
                 f"checkpoint directory {self._dir} holds non-checkpoint entries: {', '.join(stray)}; pass an empty "
                 f"directory or one that holds only checkpoints (nothing was read, written or deleted)")
 
     def interrupted_saves(self) -> list[int]:
-        """Steps whose save began but never committed (`N.orbax-checkpoint-tmp-*` folders: the process was killed,
-        or the disk filled, while writing); orbax removes these folders when it next saves. Ascending."""
-        if not self._dir.is_dir():
-            return []
-        return sorted({int(e.split(".", 1)[0]) for e in os.listdir(self._dir) if _TMP_RE.match(e)})
+        """Steps whose save began but never committed.
+
+        Returns:
+          The steps of `N.orbax-checkpoint-tmp-*` folders (the process was killed, or the disk filled, while
+          writing), ascending; orbax removes these folders when this directory is next saved into.
+        """
+        return storage.interrupted_steps(self._dir)
 
     def steps(self) -> list[int]:
-        """Returns the step folders on disk, ascending.
+        """The step folders on disk.
 
-        Interrupted saves (`N.orbax-checkpoint-tmp-*`) are ignored. A listed step can still be unusable (an empty
-        or damaged folder): `restore` checks and skips those.
+        Returns:
+          Their steps, ascending. Interrupted saves (`N.orbax-checkpoint-tmp-*`) are ignored. A listed step can
+          still be unusable (an empty or damaged folder): `restore` checks and skips those.
         """
-        if not self._dir.is_dir():
-            return []
-        return sorted(int(e) for e in os.listdir(self._dir) if _STEP_RE.match(e) and (self._dir / e).is_dir())
+        return storage.step_numbers(self._dir)
 
     def latest_step(self) -> int | None:
-        """The newest step folder on disk, or None when there is none."""
+        """The newest step folder on disk.
+
+        Returns:
+          Its step, or None when there is none (it may be unusable: see `steps`).
+        """
         steps = self.steps()
         return steps[-1] if steps else None
 
     # -- saving ----------------------------------------------------------------------------------------------
-
-    def _writer(self) -> ocp.CheckpointManager:
-        if self._manager is None:
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=self._keep,
-                create=True,
-                cleanup_tmp_directories=True,
-                enable_async_checkpointing=self._async,
-                lightweight_initialize=True,  # orbax would parse each step's "metrics" item: a damaged one raised
-            )
-            self._manager = ocp.CheckpointManager(self._dir, options=options, item_names=_ITEMS)
-        return self._manager
 
     def save(self, state: TrainState, config: dict, *, force: bool = False, metrics: list | None = None) -> bool:
         """Starts saving `state` and `config` (and `metrics`) as step `int(state.step)`.
@@ -272,28 +301,14 @@ class Checkpointer:
         Returns:
           True if a save started; False if this step is already on disk (it is never overwritten).
 
-        One writer per directory: two `Checkpointer`s saving into the same directory at once (two runs sharing a
-        workdir) collide in orbax's temporary folders.
-
         Raises:
           ValueError: `config` is not a JSON-serializable dict, or `metrics` not a JSON-serializable list.
           CheckpointError: the directory holds non-checkpoint entries, or a step folder newer than this step
-            (orbax would silently refuse every save; remove the newer folders or use another directory); a previous
-            background save failed; orbax failed to start this save (the cause is chained).
+            (orbax would silently refuse every save; remove the newer folders or use another directory).
+          CheckpointSaveError: a previous background save failed, or orbax failed to start this save (the cause is
+            chained; `errno` names an operating-system error such as ENOSPC).
         """
-        if not isinstance(config, dict):
-            raise ValueError(f"config must be a dict, got {type(config).__name__}")
-        try:
-            json.dumps(config)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"config must be JSON-serializable: {err}") from None
-        if metrics is not None:
-            try:
-                if not isinstance(metrics, list):
-                    raise TypeError(f"got {type(metrics).__name__}")
-                json.dumps(metrics)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"metrics must be a JSON-serializable list: {err}") from None
+        _check_save_args(config, metrics)
         label = int(jax.device_get(state.step))
         self._check_directory()
         waited = _clock()
@@ -307,6 +322,13 @@ class Checkpointer:
             raise CheckpointError(
                 f"cannot save step {label} in {self._dir}: it holds newer step folders {newer} (orbax saves only "
                 f"steps newer than the newest folder); remove them or use another directory")
+        started = self._start_save(label, state, config, force, metrics)
+        if started:
+            self._pending = label
+        return started
+
+    def _start_save(self, label: int, state: TrainState, config: dict, force: bool, metrics: list | None) -> bool:
+        """Hashes the state and hands the items to a fresh writer; raises CheckpointSaveError when orbax fails."""
         # A fresh writer for each save: orbax caches its step list, and steps removed by hand must not block this
         # save (reload() would parse every step's "metrics" item as orbax's own metrics: a damaged one raised). The
         # previous writer is closed first: each writer starts removing interrupted saves' tmp folders in the
@@ -314,15 +336,11 @@ class Checkpointer:
         previous, self._manager = self._manager, None
         if previous is not None:
             previous.close()
-        manager = self._writer()
+        self._manager = storage.Writer(self._dir, keep=self._keep, async_save=self._async)
         integrity = sealed(integrity_record(state, config, self._checksums, metrics))
-        items = {"state": ocp.args.StandardSave(state), "config": ocp.args.JsonSave(config),
-                 "integrity": ocp.args.JsonSave(integrity)}
-        if metrics is not None:
-            items["metrics"] = ocp.args.JsonSave(metrics)
-        args = ocp.args.Composite(**items)
         try:
-            started = bool(manager.save(label, args=args, force=force))
+            return self._manager.save(label, state=state, config=config, integrity=integrity, metrics=metrics,
+                                      force=force)
         except Exception as err:  # noqa: BLE001 - orbax raises OSError, ValueError, RuntimeError, ...
             after_failed_save()
             reason, code = save_reason(err)
@@ -331,9 +349,6 @@ class Checkpointer:
                 f"saving step {label} to {self._dir} failed: {reason}" + (
                     " (one Checkpointer, in one process or one multi-process run, may write a directory)"
                     if collision else ""), step=label, errno=code) from err
-        if started:
-            self._pending = label
-        return started
 
     def _note_slow_saves(self, label: int, waited: float) -> None:
         """Warns once per Checkpointer when a save had to wait over a second for the previous one."""
@@ -427,7 +442,8 @@ class Checkpointer:
             presence, dtype or shape, or the pytree structure differs from the checkpoint (names both values).
           CheckpointError: the directory holds non-checkpoint entries, holds no step, `step` is not on disk or is
             unusable, or every step is unusable (each listed with its reason).
-          ValueError: a `match_keys` entry is missing from `expected_config`.
+          ValueError: a `match_keys` entry is missing from `expected_config`, or a leaf of `abstract_state` has no
+            shape or dtype.
         """
         match_keys = tuple(match_keys)
         missing = [k for k in match_keys if expected_config is None or k not in expected_config]
@@ -435,16 +451,8 @@ class Checkpointer:
             raise ValueError(f"match_keys {missing} are not in expected_config")
         self.wait()
         self._check_directory()
-        on_disk = self.steps()
-        if step is not None:
-            if int(step) not in on_disk:
-                raise CheckpointError(f"no checkpoint step {step} in {self._dir}; steps on disk: {on_disk}")
-            candidates = [int(step)]
-        else:
-            candidates = on_disk[::-1]
-        if not candidates:
-            raise CheckpointError(f"no checkpoint in {self._dir}")
-        target = self._with_default_shardings(abstract_state)
+        candidates = self._candidates(step)
+        target = storage.restore_target(abstract_state)
         failures = []
         for n in candidates:
             try:
@@ -464,6 +472,17 @@ class Checkpointer:
             return restored
         listing = "; ".join(f"step {n} ({self._dir / str(n)}): {why}" for n, why in failures)
         raise CheckpointError(f"no usable checkpoint in {self._dir}: {listing}")
+
+    def _candidates(self, step: int | None) -> list[int]:
+        """The steps `restore` tries, in order: `step` alone, or every step on disk newest first."""
+        on_disk = self.steps()
+        if step is not None:
+            if int(step) not in on_disk:
+                raise CheckpointError(f"no checkpoint step {step} in {self._dir}; steps on disk: {on_disk}")
+            return [int(step)]
+        if not on_disk:
+            raise CheckpointError(f"no checkpoint in {self._dir}")
+        return on_disk[::-1]
 
     def _set_aside(self, steps: list[int], dest: Path) -> None:
         """Moves unusable step folders out of the checkpoint directory into `dest` (kept for inspection).
@@ -489,45 +508,19 @@ class Checkpointer:
             os.replace(self._dir / str(n), target)
             warnings.warn(f"moved unusable checkpoint step {n} to {target}", stacklevel=4)
 
-    @staticmethod
-    def _with_default_shardings(abstract_state):
-        """Gives leaves without a sharding the default device, so orbax never falls back to the saved topology."""
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-        def fix(x):
-            if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-                raise ValueError(f"abstract_state leaves must be jax.ShapeDtypeStruct (or arrays), got {type(x)}")
-            sharding = getattr(x, "sharding", None)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if sharding is not None else device)
-
-        return jax.tree.map(fix, abstract_state)
-
-    def _reader(self) -> ocp.CheckpointManager:
-        options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False,
-                                               lightweight_initialize=True)  # see _writer
-        return ocp.CheckpointManager(self._dir, options=options, item_names=_ITEMS)
-
     def _restore_step(self, n: int, target, expected_config, match_keys) -> tuple[TrainState, dict]:
-        step_dir = self._dir / str(n)
-        if not any(step_dir.iterdir()):
+        if not any((self._dir / str(n)).iterdir()):
             raise _Unusable("empty step folder")
-        # One fresh read-only manager per attempt: after a failed restore orbax's manager refuses good steps too.
-        manager = self._reader()
-        try:
+        # One fresh read-only reader per attempt: after a failed restore orbax's manager refuses good steps too.
+        with storage.Reader(self._dir) as reader:
             # 1. The JSON items only: config, integrity record (and the metrics copy when the record lists one).
-            config, record = self._read_meta(manager, n)
+            config, record = self._read_meta(reader, n)
             # 2. Settings and structure: a mismatch means the user changed settings, so it is raised, not skipped.
             problem = mismatch(n, self._dir, config, record, target, expected_config, match_keys)
             if problem:
                 raise CheckpointMismatchError(problem)
             # 3. The arrays, into the abstract target (after one cheap read of the array database's index).
-            _check_index(step_dir / _ITEMS[0])
-            try:
-                state = manager.restore(n, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
-            except Exception as err:  # noqa: BLE001
-                raise _Unusable(f"orbax could not restore the arrays: {short_error(err)}") from None
-        finally:
-            manager.close()
+            state = self._read_arrays(reader, n, target)
         # 4. Recompute digests.
         bad, unverified = verify(state, record)
         if bad:
@@ -539,16 +532,28 @@ class Checkpointer:
         return state, config
 
     @staticmethod
-    def _read_meta(manager, n: int, *, with_metrics: bool = True) -> tuple[dict, dict]:
+    def _read_arrays(reader: storage.Reader, n: int, target) -> TrainState:
+        """Step `n`'s arrays restored into `target`, not yet verified; raises `_Unusable`."""
+        try:
+            reader.check_array_index(n)
+        except storage.ArrayIndexMissing as err:
+            raise _Unusable(f"its array index ({err}) is missing") from None
+        except storage.ReadError as err:
+            raise _Unusable(f"its array index is unreadable: {err}") from None
+        try:
+            return reader.read_state(n, target)
+        except storage.ReadError as err:
+            raise _Unusable(f"orbax could not restore the arrays: {err}") from None
+
+    @staticmethod
+    def _read_meta(reader: storage.Reader, n: int, *, with_metrics: bool = True) -> tuple[dict, dict]:
         """Step `n`'s config and integrity record, both verified (no array is read); with `with_metrics`, the
         metrics copy too, when the record lists one (a damaged copy makes the step unusable, as any other damaged
         file does). Raises `_Unusable`."""
         try:
-            meta = manager.restore(n, args=ocp.args.Composite(
-                config=ocp.args.JsonRestore(), integrity=ocp.args.JsonRestore()))
-            config, record = meta.config, meta.integrity
-        except Exception as err:  # noqa: BLE001 - orbax raises anything from KeyError to bare Exception
-            raise _Unusable(f"cannot read its config/integrity record: {short_error(err)}") from None
+            config, record = reader.read_settings(n)
+        except storage.ReadError as err:
+            raise _Unusable(f"cannot read its config/integrity record: {err}") from None
         if (not isinstance(config, dict) or not isinstance(record, dict)
                 or record.get("format") not in READABLE_FORMATS):
             raise _Unusable("config or integrity record is missing or not in the expected format")
@@ -557,48 +562,58 @@ class Checkpointer:
         if record.get("config_sha256") != config_digest(config):
             raise _Unusable("config JSON does not match its sha256")
         if with_metrics and "metrics_sha256" in record:
-            Checkpointer._read_metrics_item(manager, n, record)
+            Checkpointer._read_metrics_item(reader, n, record)
         return config, record
 
-    def read_settings(self, step: int | None = None) -> tuple[dict, dict] | None:
-        """`(config, record)` of `step` (default: the newest on disk) without reading any array, or None when there
-        is no step or it cannot be read (`restore` then reports it). `record["policy"]` is the saved policy's
-        name (`policy_name`), `record["loss_scale"]` its loss scale's type and hyperparameters."""
-        step = self.latest_step() if step is None else step
-        if step is None or not (self._dir / str(step)).is_dir():
-            return None
-        self.wait()
-        manager = self._reader()
-        try:
-            return self._read_meta(manager, step, with_metrics=False)
-        except _Unusable:
-            return None
-        finally:
-            manager.close()
-
     @staticmethod
-    def _read_metrics_item(manager, n: int, record: dict) -> list:
+    def _read_metrics_item(reader: storage.Reader, n: int, record: dict) -> list:
+        """Step `n`'s metrics copy, verified against `record`; raises `_Unusable`."""
         try:
-            metrics = manager.restore(n, args=ocp.args.Composite(metrics=ocp.args.JsonRestore())).metrics
-        except Exception as err:  # noqa: BLE001
-            raise _Unusable(f"cannot read its metrics copy: {short_error(err)}") from None
+            metrics = reader.read_metrics(n)
+        except storage.ReadError as err:
+            raise _Unusable(f"cannot read its metrics copy: {err}") from None
         if not isinstance(metrics, list) or config_digest(metrics) != record["metrics_sha256"]:
             raise _Unusable("metrics copy does not match its sha256")
         return metrics
 
+    def read_settings(self, step: int | None = None) -> tuple[dict, dict] | None:
+        """The config and integrity record of a step, verified against their digests, without reading any array.
+
+        Args:
+          step: the step to read; default: the newest on disk.
+
+        Returns:
+          `(config, record)`, or None when there is no such step or it cannot be read (`restore` then reports it).
+          `record["policy"]` is the saved policy's name (`policy_name`), `record["loss_scale"]` its loss scale's
+          type and hyperparameters (`loss_scale_from_record` builds one).
+        """
+        step = self.latest_step() if step is None else step
+        if step is None or not (self._dir / str(step)).is_dir():
+            return None
+        self.wait()
+        with storage.Reader(self._dir) as reader:
+            try:
+                return self._read_meta(reader, step, with_metrics=False)
+            except _Unusable:
+                return None
+
     def metrics(self, step: int) -> list | None:
-        """The `metrics` list saved with step `step` (verified against its sha256), or None when it holds none.
+        """The `metrics` list saved with a step, verified against its sha256.
+
+        Args:
+          step: a step on disk.
+
+        Returns:
+          The list, or None when the step holds none.
 
         Raises:
           CheckpointError: the step is not on disk, or its record or metrics copy is unreadable or damaged.
         """
         if int(step) not in self.steps():
             raise CheckpointError(f"no checkpoint step {step} in {self._dir}; steps on disk: {self.steps()}")
-        manager = self._reader()
-        try:
-            _, record = self._read_meta(manager, int(step), with_metrics=False)
-            return self._read_metrics_item(manager, int(step), record) if "metrics_sha256" in record else None
-        except _Unusable as err:
-            raise CheckpointError(f"checkpoint step {step} in {self._dir} is unusable ({err})") from None
-        finally:
-            manager.close()
+        with storage.Reader(self._dir) as reader:
+            try:
+                _, record = self._read_meta(reader, int(step), with_metrics=False)
+                return self._read_metrics_item(reader, int(step), record) if "metrics_sha256" in record else None
+            except _Unusable as err:
+                raise CheckpointError(f"checkpoint step {step} in {self._dir} is unusable ({err})") from None

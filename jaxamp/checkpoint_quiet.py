@@ -2,6 +2,10 @@
 error behind a failed save, and the filters that keep the libraries' own reports of a failure (logged from their
 background threads, hundreds of lines with tracebacks) off stderr. Why each report is dropped is told in
 `jaxamp.checkpoint`'s module docstring ("orbax pitfalls"); `JAXAMP_ORBAX_LOGS=1` keeps them all.
+
+It imports orbax and tensorstore only to find their source folders (the log records and unraisable reports dropped
+are those raised from files there) and calls nothing in them: every orbax and tensorstore call of the package is in
+`jaxamp.checkpoint_storage` (tests/test_checkpoint.py checks that no other module imports them).
 """
 
 from __future__ import annotations

@@ -182,53 +182,66 @@ def mismatch(n: int, directory, config: dict, record: dict, target, expected_con
     """
     where = f"checkpoint at step {n} in {directory}"
     advice = "use another checkpoint directory (--workdir) or the same settings"
+    found = (_config_mismatch(n, where, config, expected_config, match_keys)
+             or _loss_scale_mismatch(where, record, target) or _policy_mismatch(where, record, target)
+             or _leaves_mismatch(where, record, target) or _structure_mismatch(where, record, target))
+    return None if found is None else f"{found}; {advice}"
+
+
+def _config_mismatch(n: int, where: str, config: dict, expected_config: dict | None, match_keys) -> str | None:
     for key in match_keys:
         want = _json_normal(expected_config[key])
         if key not in config:
-            return (
-                f"{where} was saved without {key} but this run has {key}={_fmt(want)}; {advice}")
+            return f"{where} was saved without {key} but this run has {key}={_fmt(want)}"
         if config[key] != want:
-            return (
-                f"checkpoint at step {n} was saved with {key}={_fmt(config[key])} but this run has "
-                f"{key}={_fmt(want)}; {advice}")
+            return (f"checkpoint at step {n} was saved with {key}={_fmt(config[key])} but this run has "
+                    f"{key}={_fmt(want)}")
+    return None
+
+
+def _loss_scale_mismatch(where: str, record: dict, target) -> str | None:
     saved_ls = record.get("loss_scale") or {}
     this_ls = _json_normal(loss_scale_record(target.loss_scale))
     if saved_ls.get("type") != this_ls["type"]:
-        return (
-            f"{where} was saved with loss_scale={saved_ls.get('type')} but this run has "
-            f"loss_scale={this_ls['type']}; {advice}")
+        return f"{where} was saved with loss_scale={saved_ls.get('type')} but this run has loss_scale={this_ls['type']}"
     saved_cfg, this_cfg = saved_ls.get("config") or {}, this_ls["config"]
     for field in sorted(set(saved_cfg) | set(this_cfg)):
         if saved_cfg.get(field) != this_cfg.get(field):
-            return (
-                f"{where} was saved with loss_scale.{field}={_fmt(saved_cfg.get(field))} but this run has "
-                f"loss_scale.{field}={_fmt(this_cfg.get(field))}; {advice}")
+            return (f"{where} was saved with loss_scale.{field}={_fmt(saved_cfg.get(field))} but this run has "
+                    f"loss_scale.{field}={_fmt(this_cfg.get(field))}")
+    return None
+
+
+def _policy_mismatch(where: str, record: dict, target) -> str | None:
     this_policy = policy_name(target.policy)
     if record.get("policy") != this_policy:
-        return (
-            f"{where} was saved with policy={_fmt(record.get('policy'))} but this run has "
-            f"policy={_fmt(this_policy)}; {advice}")
+        return f"{where} was saved with policy={_fmt(record.get('policy'))} but this run has policy={_fmt(this_policy)}"
+    return None
+
+
+def _leaves_mismatch(where: str, record: dict, target) -> str | None:
     saved_leaves = record.get("leaves") or {}
     flat, _ = jax.tree_util.tree_flatten_with_path(target)
     target_leaves = {jax.tree_util.keystr(p): x for p, x in flat}
     extra = [k for k in saved_leaves if k not in target_leaves]
     absent = [k for k in target_leaves if k not in saved_leaves]
     if extra or absent:
-        return (
-            f"{where} has leaves {extra[:5]} that the restore target lacks and lacks leaves {absent[:5]} that "
-            f"the restore target has; {advice}")
+        return (f"{where} has leaves {extra[:5]} that the restore target lacks and lacks leaves {absent[:5]} that "
+                f"the restore target has")
     for key, x in target_leaves.items():
         saved = saved_leaves[key]
         this = {"dtype": leaf_dtype(x), "shape": list(x.shape)}
         if (saved.get("dtype"), saved.get("shape")) != (this["dtype"], this["shape"]):
-            return (
-                f"{where} was saved with {key} as {saved.get('dtype')}{saved.get('shape')} but this run has "
-                f"{this['dtype']}{this['shape']}; {advice}")
+            return (f"{where} was saved with {key} as {saved.get('dtype')}{saved.get('shape')} but this run has "
+                    f"{this['dtype']}{this['shape']}")
+    return None
+
+
+def _structure_mismatch(where: str, record: dict, target) -> str | None:
     this_structure = structure_string(target)
     if record.get("structure") != this_structure:
         a, b = _first_difference(str(record.get("structure")), this_structure)
-        return (
-            f"{where} was saved with a different pytree structure: saved {a} but this run has {b}; {advice}")
+        return f"{where} was saved with a different pytree structure: saved {a} but this run has {b}"
     return None
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import gc
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import signal
@@ -471,3 +473,133 @@ def test_kill_9_during_save_keeps_previous_step(tmp_path):
             assert ckpt.steps()[-1] == 3
         del restored
     assert any(interrupted and step == 1 for _, interrupted, step in outcomes), outcomes
+
+
+# 11 ------------------------------------------------------------------------------------------------------------
+# The public names, and the storage (orbax, tensorstore) apart from the integrity policy.
+
+CHECKPOINT_NAMES = ("Checkpointer", "CheckpointError", "CheckpointMismatchError", "CheckpointSaveError")
+
+
+def test_checkpointer_is_exported_from_jaxamp():
+    import jaxamp
+    import jaxamp.checkpoint as checkpoint_mod
+    from jaxamp import Checkpointer as exported
+    from jaxamp import CheckpointError as exported_error
+
+    assert exported is Checkpointer and exported_error is CheckpointError
+    for name in CHECKPOINT_NAMES:
+        assert name in jaxamp.__all__ and name in dir(jaxamp)
+        assert getattr(jaxamp, name) is getattr(checkpoint_mod, name) and name in checkpoint_mod.__all__
+    assert issubclass(jaxamp.CheckpointMismatchError, CheckpointError)
+    assert issubclass(jaxamp.CheckpointSaveError, CheckpointError)
+    with pytest.raises(AttributeError, match="no attribute 'Checkpointerr'"):
+        jaxamp.Checkpointerr  # noqa: B018
+
+
+def test_importing_jaxamp_does_not_import_orbax():
+    """`jaxamp.Checkpointer` is imported on first use: orbax-checkpoint would add a second or two to `import jaxamp`."""
+    code = ("import sys, jaxamp; assert not [m for m in sys.modules if m.split('.')[0] in ('orbax', 'tensorstore')]; "
+            "jaxamp.Checkpointer; assert 'orbax.checkpoint' in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], env=_child_env(1), cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _section_names(doc: str) -> set[str]:
+    return {line.strip()[:-1] for line in doc.splitlines() if line.strip() in ("Args:", "Returns:", "Raises:")}
+
+
+def test_checkpointer_is_documented():
+    """Google-style docstrings: the class says what is saved, the layout, the guarantees and the orbax version it was
+    written for; each public method has Args when it takes arguments and Returns when it returns a value."""
+    doc = inspect.getdoc(Checkpointer)
+    for part in ("What is saved.", "Directory layout", "Integrity guarantees:", "orbax-checkpoint 0.12.8", "Args:",
+                 "Raises:"):
+        assert part in doc, part
+    for name, member in vars(Checkpointer).items():
+        if name.startswith("_") or isinstance(member, property):
+            continue
+        doc = inspect.getdoc(member) or ""
+        signature = inspect.signature(member)
+        sections = _section_names(doc)
+        assert doc, name
+        if len(signature.parameters) > 1:
+            assert "Args" in sections, name
+        if signature.return_annotation not in ("None", None):
+            assert "Returns" in sections, name
+
+
+# checkpoint_quiet.py imports them too, but calls nothing in them: it reads their source folders (`__file__`) to
+# filter their log records and unraisable-exception reports (orbax's and tensorstore's failure reports).
+STORAGE_LIBRARIES = ("orbax", "tensorstore")
+MAY_IMPORT_STORAGE = {"checkpoint_storage.py", "checkpoint_quiet.py"}
+
+
+def _imports_a_literal(call: ast.Call) -> bool:
+    """`__import__("name")` or `importlib.import_module("name")` (any alias of importlib)."""
+    func = getattr(call.func, "id", None) or getattr(call.func, "attr", None)
+    named = bool(call.args) and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)
+    return named and func in ("__import__", "import_module")
+
+
+def _storage_imports(source: str) -> list[tuple[str, int]]:
+    """`(module, line)` of every import of orbax or tensorstore in `source`, wherever it stands (in a function,
+    under `if TYPE_CHECKING:`), `importlib.import_module("...")` and `__import__("...")` of a literal name included."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if node.level == 0 else []
+        elif isinstance(node, ast.Call) and _imports_a_literal(node):
+            names = [node.args[0].value]
+        else:
+            continue
+        found += [(n, node.lineno) for n in names if n.split(".")[0] in STORAGE_LIBRARIES]
+    return sorted(found, key=lambda hit: hit[1])
+
+
+def test_only_the_storage_module_imports_orbax_or_tensorstore():
+    package = ROOT / "jaxamp"
+    found = {p.relative_to(package).as_posix(): _storage_imports(p.read_text(encoding="utf-8"))
+             for p in sorted(package.rglob("*.py"))}
+    bad = [f"jaxamp/{path}:{line} imports {module}" for path, hits in found.items() if path not in MAY_IMPORT_STORAGE
+           for module, line in hits]
+    assert not bad, "orbax and tensorstore belong in jaxamp/checkpoint_storage.py:\n" + "\n".join(bad)
+    assert {m for m, _ in found["checkpoint_storage.py"]} == {"orbax.checkpoint", "tensorstore"}
+
+
+def test_the_storage_import_check_can_fail():
+    source = ("import os\nimport orbax.checkpoint as ocp\ndef f():\n    from tensorstore import KvStore\n"
+              "    importlib.import_module('orbax.checkpoint.args')\nfrom orbaxish import x\nfrom . import orbax\n"
+              "if TYPE_CHECKING:\n    import numpy, tensorstore.ocdbt\n")
+    assert _storage_imports(source) == [("orbax.checkpoint", 2), ("tensorstore", 4), ("orbax.checkpoint.args", 5),
+                                        ("tensorstore.ocdbt", 9)]
+
+
+def test_storage_round_trip_and_read_errors(tmp_path, states):
+    """The storage interface on its own: items written by a Writer read back by a Reader as stored (nothing is
+    checked there), every failed read one ReadError line, the folders listed as orbax names them."""
+    from jaxamp import checkpoint_storage as storage
+
+    writer = storage.Writer(tmp_path, keep=2, async_save=False)
+    assert writer.save(4, state=states[4], config={"a": 1}, integrity={"not": "checked"}, metrics=[{"step": 4}])
+    writer.close()
+    (tmp_path / "7.orbax-checkpoint-tmp-1764531000").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    assert storage.step_numbers(tmp_path) == [4] and storage.interrupted_steps(tmp_path) == [7]
+    assert storage.stray_entries(tmp_path) == ["notes.txt"]
+    with storage.Reader(tmp_path) as reader:
+        assert reader.read_settings(4) == ({"a": 1}, {"not": "checked"})
+        assert reader.read_metrics(4) == [{"step": 4}]
+        reader.check_array_index(4)
+        assert_bitwise(reader.read_state(4, storage.restore_target(_abstract(states[4]))), states[4])
+        with pytest.raises(storage.ReadError) as info:
+            reader.read_settings(5)
+    assert "\n" not in str(info.value) and not isinstance(info.value, storage.ArrayIndexMissing)
+    (tmp_path / "4" / "state" / "manifest.ocdbt").unlink()
+    with storage.Reader(tmp_path) as reader, pytest.raises(storage.ArrayIndexMissing, match="^state/manifest.ocdbt$"):
+        reader.check_array_index(4)
+    with pytest.raises(ValueError, match="must be jax.ShapeDtypeStruct"):
+        storage.restore_target({"w": object()})
