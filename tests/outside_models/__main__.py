@@ -2,4 +2,4 @@
 
 from .sources import flax_source
 
-print(flax_source())
+print(flax_source(download=True))

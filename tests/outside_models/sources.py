@@ -11,9 +11,9 @@
   the named class/function definitions of a MyST notebook's code cells (the MNIST tutorial).
 
 Cache: `$JAXAMP_OUTSIDE_MODELS_CACHE`, else `~/.cache/jaxamp/outside_models`. `JAXAMP_FLAX_SDIST=/path/flax-X.tar.gz`
-uses a given sdist instead of pip (offline machines). `python -m tests.outside_models` (from the repo root) prepares the cache
-(e.g. a CI step before pytest); where neither the cache nor pip's download works, `SourceUnavailable` is raised and
-the tests skip with its message.
+uses a given sdist instead of pip (offline machines). `python -m tests.outside_models` (from the repo root) fills the
+cache (a CI step before pytest); the tests only read it: without it `SourceUnavailable` is raised and they skip with
+its message.
 """
 
 from __future__ import annotations
@@ -95,12 +95,17 @@ def _download_sdist(version: str, into: Path) -> Path:
     return found[0]
 
 
-def flax_source() -> Path:
-    """The folder holding `FLAX_FILES` of the installed Flax version's sdist (downloaded once, then cached)."""
+def flax_source(*, download: bool = False) -> Path:
+    """The folder holding `FLAX_FILES` of the installed Flax version's sdist, from the cache; with `download`
+    (`python -m tests.outside_models`, a CI step before the tests) it is fetched with pip first if absent. Tests
+    never download: without the cache they skip."""
     version = flax_version()
     root = cache_root() / f"flax-{version}"
     if all((root / rel).is_file() for rel in FLAX_FILES):
         return root
+    if not download and not os.environ.get("JAXAMP_FLAX_SDIST"):
+        raise SourceUnavailable(f"Flax {version}'s example sources are not cached in {root}: run "
+                                "`python -m tests.outside_models` once (it fetches Flax's sdist from PyPI with pip)")
     root.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         sdist = _download_sdist(version, Path(tmp))
