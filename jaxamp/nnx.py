@@ -53,8 +53,8 @@ from jaxamp.nnx_fp8 import Fp8DotGeneral, Fp8Einsum, Fp8Meta, Fp8Op
 from jaxamp.state import TrainState
 from jaxamp.step import check_options, train_step_with_carry
 
-__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Meta", "Optimizer", "fp8_ranges", "grad_fidelity", "precision_audit",
-           "train_step"]
+__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Meta", "Optimizer", "fidelity_report", "fp8_ranges", "grad_fidelity",
+           "precision_audit", "train_step"]
 
 PyTree = Any
 _RNG = (2,)  # TrainState.rng's shape: unused here (randomness comes from the model's nnx.Rngs), kept constant
@@ -480,6 +480,12 @@ def _fidelity(graphdef, trained, loss_fn, accum_steps, state, fp8, rest, batch):
     return fidelity.errors(*pair)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _fidelity_report(graphdef, trained, loss_fn, accum_steps, noise_floor, state, fp8, rest, batch):
+    return fidelity.fidelity_report(state, batch, _functional_loss(graphdef, loss_fn, trained, fp8),
+                                    accum_steps=accum_steps, noise_floor=noise_floor, carry=rest)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _capture(graphdef, trained, loss_fn, state, fp8, rest, batch):
     stateful = _functional_loss(graphdef, loss_fn, trained, fp8)
@@ -511,6 +517,26 @@ def grad_fidelity(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Cal
     # before jit: accum_steps is one of its static arguments
     check_options(loss_fn, accum_steps, caller="jaxamp.nnx.grad_fidelity")
     return _fidelity(graphdef, trained, loss_fn, accum_steps, state, fp8, rest, batch)
+
+
+def fidelity_report(model: nnx.Module, opt: Optimizer, batch: PyTree,
+                    loss_fn: Callable[[nnx.Module, PyTree], Any], *, accum_steps: int = 1,
+                    noise_floor: bool = False) -> dict:
+    """`jaxamp.fidelity.fidelity_report` for an NNX model: `grad_fidelity`'s errors with the near-zero leaves
+    marked, each leaf's error relative to the global gradient norm and (with `noise_floor`) what rounding the
+    weights once to the compute dtype alone costs. Nothing in the model or the optimizer changes.
+
+    Returns:
+      `{"rel_err": ..., "global_rel_err": ..., "near_zero": ..., "noise_floor": ...}`, keyed like
+      `nnx.state(model, opt.wrt)` (`"l1/kernel"`).
+
+    Raises:
+      ValueError: as `grad_fidelity`.
+    """
+    _check_call(model, opt, loss_fn)
+    graphdef, trained, state, fp8, rest = _split(model, opt)
+    check_options(loss_fn, accum_steps, caller="jaxamp.nnx.fidelity_report")
+    return _fidelity_report(graphdef, trained, loss_fn, accum_steps, bool(noise_floor), state, fp8, rest, batch)
 
 
 def fp8_ranges(model: nnx.Module, opt: Optimizer, batch: PyTree,
