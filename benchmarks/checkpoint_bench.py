@@ -30,10 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import os
-import platform
-import shlex
 import shutil
 import statistics
 import sys
@@ -48,23 +45,24 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from benchmarks import harness  # noqa: E402
 from jaxamp import NoOpLossScale, TrainState, get_policy  # noqa: E402
 from jaxamp.checkpoint import Checkpointer  # noqa: E402
-from jaxamp.lm.cli import check_output, write_report  # noqa: E402
 from jaxamp.lm.config import TrainConfig  # noqa: E402
 from jaxamp.lm.data import batch_at  # noqa: E402
 from jaxamp.lm.model import TransformerConfig, TransformerLM, count_params  # noqa: E402
-from jaxamp.lm.setup import build, make_optimizer
+from jaxamp.lm.setup import build, make_optimizer  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "checkpoint.md"
-TINY_OUT = REPO / "benchmarks" / "results" / "checkpoint_tiny.md"  # --tiny never overwrites the real results
+REPO = harness.REPO
+DEFAULT_OUT = harness.RESULTS / "checkpoint.md"
+TINY_OUT = harness.RESULTS / "checkpoint_tiny.md"  # --tiny never overwrites the real results
 GPT2_SMALL = TransformerConfig(vocab_size=50304, seq_len=1024, num_layers=12, num_heads=12, width=768)
 TINY_LARGE = TransformerConfig(vocab_size=512, seq_len=64, num_layers=2, num_heads=2, width=64)
 TINY_REFERENCE = TrainConfig(layers=1, heads=2, width=16, seq_len=8, batch_size=2)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, checked (one-line usage errors); `--tiny` picks its own `--out`."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3, help="measured repetitions per state and setting")
     p.add_argument("--tiny", action="store_true",
@@ -79,9 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.reps < 1:
         p.error("--reps must be >= 1")
     args.out = args.out if args.out is not None else (TINY_OUT if args.tiny else DEFAULT_OUT)
-    check_output(p, "--out", args.out)
+    harness.check_output(p, "--out", args.out)
     if args.tmp_dir is not None:
-        check_output(p, "--tmp-dir", args.tmp_dir, directory=True)
+        harness.check_output(p, "--tmp-dir", args.tmp_dir, directory=True)
     return args
 
 
@@ -121,6 +119,7 @@ def synthetic_lm_state(model_cfg: TransformerConfig, seed: int = 0) -> TrainStat
 
 
 def state_bytes(state: TrainState) -> int:
+    """Bytes of every array leaf of `state`."""
     return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, "dtype")))
 
 
@@ -133,6 +132,7 @@ def _files(folder: Path) -> list[Path]:
 
 
 def disk_bytes(folder: Path) -> int:
+    """Bytes of every file under `folder`."""
     return sum(f.stat().st_size for f in _files(folder))
 
 
@@ -180,7 +180,7 @@ def bench_state(name: str, state: TrainState, root: Path, reps: int) -> list[dic
             _timed_restore(ckpt, abstract, 1, check)
         for rep in range(reps):
             step = rep + 2
-            for on in (settings if rep % 2 == 0 else settings[::-1]):
+            for on in harness.rotated(settings, rep):
                 ckpt, t = ckpts[on], times[on]
                 s = _with_step(state, step)
                 jax.block_until_ready(s)
@@ -212,33 +212,28 @@ def bench_state(name: str, state: TrainState, root: Path, reps: int) -> list[dic
 # Report.
 
 
-def _machine(tmp: Path) -> str:
-    cpu = platform.processor() or platform.machine()
+def _filesystem(folder: Path) -> str:
+    """The filesystem `folder` lies on ("tmpfs on tmpfs"), from /proc/mounts ("unknown filesystem" elsewhere)."""
+    fs, best = "", ""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        mem_s = f", {mem:.0f} GiB RAM"
-    except (ValueError, OSError, AttributeError):
-        mem_s = ""
-    fs = ""
-    try:
-        best = ""
         for line in Path("/proc/mounts").read_text().splitlines():
             dev, mnt, kind = line.split()[:3]
-            if str(tmp.resolve()).startswith(mnt) and len(mnt) >= len(best):
+            if str(folder.resolve()).startswith(mnt) and len(mnt) >= len(best):
                 best, fs = mnt, f"{kind} on {dev}"
     except (OSError, ValueError):
         pass
+    return fs or "unknown filesystem"
+
+
+def _machine(tmp: Path) -> str:
+    """harness.machine() with the RAM, where the checkpoints go and orbax's version."""
     import orbax.checkpoint as ocp
 
-    return (f"{cpu}, {os.cpu_count()} logical CPUs{mem_s}; checkpoints in {tmp} ({fs or 'unknown filesystem'}); "
-            f"Python {platform.python_version()}, jax {jax.__version__} ({jax.default_backend()}), "
+    try:
+        mem_s = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
+    except (ValueError, OSError, AttributeError):
+        mem_s = ""
+    return (f"{harness.machine(load=False)}{mem_s}; checkpoints in {tmp} ({_filesystem(tmp)}); "
             f"orbax-checkpoint {ocp.__version__}")
 
 
@@ -254,28 +249,9 @@ def _mib(n: float) -> str:
     return f"{mib:,.1f}" if mib >= 10 else f"{mib:.3f}"
 
 
-def report(rows: list[dict], args: argparse.Namespace, argv: list[str], tmp: Path, wall: float,
-           load: tuple[float, float]) -> str:
-    lines = [
-        "# Checkpoint save/restore cost (jaxamp.checkpoint.Checkpointer, orbax)",
-        "",
-        f"Command: `{' '.join(['python benchmarks/checkpoint_bench.py', shlex.join(argv)]).strip()}` ({wall:.0f} s)",
-        f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"Machine: {_machine(tmp)}; 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
-        f"(other jobs share the machine: the spread is in the raw timings below)",
-        "",
-        f"Median of {args.reps} repetitions (after one warm-up save and restore); asynchronous saves, as in "
-        f"training. Seconds, except sizes.",
-        "",
-        "| state | parameters | state (MiB) | checksums | save: blocking | save: until complete | restore, cold | "
-        "restore, warm | on disk (MiB) |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['state']} | {r['params']:,} | {_mib(r['bytes'])} | {'on' if r['checksums'] else 'off'} | "
-            f"{r['blocking']:.3f} | {r['complete']:.3f} | {r['cold']:.3f} | {r['warm']:.3f} | {_mib(r['disk'])} |")
-    lines += ["", "Cost of checksums (on minus off, medians):", ""]
+def _checksum_cost(rows: list[dict]) -> list[str]:
+    """One line per state: what checksums cost (on minus off, medians)."""
+    lines = ["", "Cost of checksums (on minus off, medians):", ""]
     by_state: dict[str, dict[bool, dict]] = {}
     for r in rows:
         by_state.setdefault(r["state"], {})[r["checksums"]] = r
@@ -287,20 +263,42 @@ def report(rows: list[dict], args: argparse.Namespace, argv: list[str], tmp: Pat
         lines.append(f"- {name}: save blocking {on['blocking'] - off['blocking']:+.3f} s, save until complete "
                      f"{on['complete'] - off['complete']:+.3f} s, cold restore (verification) "
                      f"{on['cold'] - off['cold']:+.3f} s{rate}")
-    lines += [
+    return lines
+
+
+DEFINITIONS = (
+    "Definitions: *save: blocking* = `Checkpointer.save()` until it returns (device-to-host copy, sha256 of "
+    "every leaf when checksums are on, orbax's synchronous part: the training loop stalls this long); *save: "
+    "until complete* = `save()` + `wait()` (background write and commit); *restore* = `restore(abstract, "
+    "step=N)` until the arrays are ready, including the sha256 verification of every leaf when the step holds "
+    "checksums (a step saved with checksums off has nothing to verify); *cold* = after fsync + "
+    "`posix_fadvise(DONTNEED)` of the step's files (read from the disk, as far as the VM allows), *warm* = "
+    "right after, from the page cache; *on disk* = all files of the step folder. `state (MiB)` = all array "
+    "leaves of the TrainState (params + AdamW mu and nu + scalars).")
+
+
+def report(rows: list[dict], args: argparse.Namespace, argv: list[str], tmp: Path, wall: float,
+           load: tuple[float, float]) -> str:
+    """The markdown report: the medians, the cost of checksums, definitions, the raw timings."""
+    lines = [
+        "# Checkpoint save/restore cost (jaxamp.checkpoint.Checkpointer, orbax)",
         "",
-        "Definitions: *save: blocking* = `Checkpointer.save()` until it returns (device-to-host copy, sha256 of "
-        "every leaf when checksums are on, orbax's synchronous part: the training loop stalls this long); *save: "
-        "until complete* = `save()` + `wait()` (background write and commit); *restore* = `restore(abstract, "
-        "step=N)` until the arrays are ready, including the sha256 verification of every leaf when the step holds "
-        "checksums (a step saved with checksums off has nothing to verify); *cold* = after fsync + "
-        "`posix_fadvise(DONTNEED)` of the step's files (read from the disk, as far as the VM allows), *warm* = "
-        "right after, from the page cache; *on disk* = all files of the step folder. `state (MiB)` = all array "
-        "leaves of the TrainState (params + AdamW mu and nu + scalars).",
+        f"Command: `{harness.command_line(__file__, argv)}` ({wall:.0f} s)",
+        f"Date: {harness.now()}",
+        f"Machine: {_machine(tmp)}; 1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
+        f"(other jobs share the machine: the spread is in the raw timings below)",
         "",
-        "Raw timings (s), in repetition order:",
+        f"Median of {args.reps} repetitions (after one warm-up save and restore); asynchronous saves, as in "
+        f"training. Seconds, except sizes.",
         "",
+        *harness.table(["state", "parameters", "state (MiB)", "checksums", "save: blocking", "save: until complete",
+                        "restore, cold", "restore, warm", "on disk (MiB)"], align="lrrlrrrrr"),
     ]
+    for r in rows:
+        lines.append(
+            f"| {r['state']} | {r['params']:,} | {_mib(r['bytes'])} | {'on' if r['checksums'] else 'off'} | "
+            f"{r['blocking']:.3f} | {r['complete']:.3f} | {r['cold']:.3f} | {r['warm']:.3f} | {_mib(r['disk'])} |")
+    lines += [*_checksum_cost(rows), "", DEFINITIONS, "", "Raw timings (s), in repetition order:", ""]
     for r in rows:
         raw = r["raw"]
         lines.append(f"- {r['state']}, checksums {'on' if r['checksums'] else 'off'}: " + "; ".join(
@@ -337,7 +335,7 @@ def main(argv=None) -> int:
         text = report(rows, args, argv, tmp, time.perf_counter() - t_start, (load_start, _load()))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    write_report(args.out, text)
+    harness.write_report(args.out, text)
     return 0
 
 

@@ -9,12 +9,13 @@ training step against nanoGPT's step in eager PyTorch.
 What it measures, all in one process:
 
 1. Model forward + backward (`jax.value_and_grad` of the mean cross-entropy, jitted), jaxamp's `TransformerLM`
-   against `PlainGPT` below: the same computation from stock linen modules (`nn.Embed`, `nn.Dense`, `nn.LayerNorm`
-   with two-pass variance and epsilon 1e-5, einsum attention masked with `jax.nn.dot_product_attention`'s finite
-   value, exact GELU, tied head via `nn.Embed.attend`), with the same parameter tree, so both run on jaxamp's
-   initial weights (their losses and gradients are compared first). Two more Flax rows for context: stock
-   `nn.LayerNorm` (one-pass variance, `E[x^2] - E[x]^2`), and that with the tanh GELU (the baseline of issue 14).
-   Interleaved rounds (`benchmarks.nanogpt_compare.interleaved`); medians, and the per-round paired ratios.
+   against `PlainGPT` (`benchmarks/plain_gpt.py`): the same computation from stock linen modules (`nn.Embed`,
+   `nn.Dense`, `nn.LayerNorm` with two-pass variance and epsilon 1e-5, einsum attention masked with
+   `jax.nn.dot_product_attention`'s finite value, exact GELU, tied head via `nn.Embed.attend`), with the same
+   parameter tree, so both run on jaxamp's initial weights (their losses and gradients are compared first). Two
+   more Flax rows for context: stock `nn.LayerNorm` (one-pass variance, `E[x^2] - E[x]^2`), and that with the tanh
+   GELU (the baseline of issue 14).
+   Interleaved rounds (`benchmarks.harness.interleaved`); medians, and the per-round paired ratios.
 2. The full fp32 training step (`jaxamp.lm.setup.build(TrainConfig(precision="fp32")).step_fn`: AdamW, clipping,
    metrics) against nanoGPT's step in eager PyTorch (`benchmarks.nanogpt_compare.time_throughput`, same batches),
    or the "PyTorch not installed" line.
@@ -29,7 +30,6 @@ import argparse
 import datetime
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -46,8 +46,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import harness  # noqa: E402
 from benchmarks import nanogpt_compare as ngc  # noqa: E402
-from jaxamp.lm.cli import check_output, check_sizes  # noqa: E402
+from benchmarks.nanogpt_torch import NO_TORCH, torch  # noqa: E402
+from benchmarks.plain_gpt import PlainGPT  # noqa: E402
 from jaxamp.lm.config import ConfigError, TrainConfig  # noqa: E402
 from jaxamp.lm.data import DataError, batch_at  # noqa: E402
 from jaxamp.lm.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
@@ -56,93 +58,11 @@ from jaxamp.lm.setup import build
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "cpu_step.md"
 GOAL = 1.05  # issue 14: jaxamp's model step at most this multiple of plain Flax's of the same math
-# jax.nn.dot_product_attention's mask value (XLA path): finite, so a fully masked row stays finite.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 FLAX_ROWS = {
     "flax": "plain Flax, same math (two-pass LayerNorm, exact GELU)",
     "flax_stock_ln": "plain Flax, stock nn.LayerNorm (one-pass variance), exact GELU",
     "flax_stock_ln_tanh": "plain Flax, stock nn.LayerNorm, tanh GELU (issue 14's baseline)",
 }
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Plain Flax GPT: the same computation as jaxamp.lm.model.TransformerLM in fp32, from stock linen modules. Module names
-# follow TransformerLM's, so the parameter trees are identical.
-
-
-class PlainAttention(nn.Module):
-    """Causal self-attention: `nn.Dense` projections, einsum logits scaled by 1/sqrt(head_dim), finite mask."""
-
-    cfg: TransformerConfig
-
-    @nn.compact
-    def __call__(self, x):
-        """`f32[batch, seq, width]` -> same."""
-        cfg, (b, t, c) = self.cfg, x.shape
-        qkv = nn.Dense(3 * c, use_bias=cfg.use_bias, name="c_attn")(x)
-        q, k, v = (a.reshape(b, t, cfg.num_heads, cfg.head_dim) for a in jnp.split(qkv, 3, axis=-1))
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.float32(1.0 / math.sqrt(cfg.head_dim))
-        logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, jnp.float32(MASK_VALUE))
-        y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v).reshape(b, t, c)
-        return nn.Dense(c, use_bias=cfg.use_bias, name="c_proj")(y)
-
-
-class PlainMLP(nn.Module):
-    """`nn.Dense` -> GELU (exact erf, or tanh) -> `nn.Dense`."""
-
-    cfg: TransformerConfig
-    tanh_gelu: bool = False
-
-    @nn.compact
-    def __call__(self, x):
-        """`f32[batch, seq, width]` -> same."""
-        cfg, width = self.cfg, x.shape[-1]
-        h = nn.gelu(nn.Dense(cfg.mlp_ratio * width, use_bias=cfg.use_bias, name="c_fc")(x), approximate=self.tanh_gelu)
-        return nn.Dense(width, use_bias=cfg.use_bias, name="c_proj")(h)
-
-
-class PlainBlock(nn.Module):
-    """Pre-norm block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`, with `nn.LayerNorm`."""
-
-    cfg: TransformerConfig
-    fast_variance: bool = False
-    tanh_gelu: bool = False
-
-    @nn.compact
-    def __call__(self, x):
-        """`f32[batch, seq, width]` -> same."""
-        cfg = self.cfg
-
-        def norm(name):
-            return nn.LayerNorm(epsilon=1e-5, use_bias=cfg.use_bias, use_fast_variance=self.fast_variance, name=name)
-
-        x = x + PlainAttention(cfg, name="attn")(norm("ln_1")(x))
-        return x + PlainMLP(cfg, self.tanh_gelu, name="mlp")(norm("ln_2")(x))
-
-
-class PlainGPT(nn.Module):
-    """nanoGPT in plain Flax: `nn.Embed` tokens + positions, blocks, final `nn.LayerNorm`, head tied via `attend`.
-
-    Attributes:
-      cfg: sizes (dropout is not applied).
-      fast_variance: `nn.LayerNorm`'s default one-pass variance instead of the two-pass one jaxamp computes.
-      tanh_gelu: the tanh approximation instead of the exact (erf) GELU.
-    """
-
-    cfg: TransformerConfig
-    fast_variance: bool = False
-    tanh_gelu: bool = False
-
-    @nn.compact
-    def __call__(self, tokens):
-        """`i32[batch, seq]` -> `f32[batch, seq, vocab]` logits."""
-        cfg = self.cfg
-        wte = nn.Embed(cfg.vocab_size, cfg.width, name="wte")
-        x = wte(tokens) + nn.Embed(cfg.seq_len, cfg.width, name="wpe")(jnp.arange(tokens.shape[1]))
-        for i in range(cfg.num_layers):
-            x = PlainBlock(cfg, self.fast_variance, self.tanh_gelu, name=f"h_{i}")(x)
-        x = nn.LayerNorm(epsilon=1e-5, use_bias=cfg.use_bias, use_fast_variance=self.fast_variance, name="ln_f")(x)
-        return wte.attend(x)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -186,7 +106,7 @@ def time_models(fns: dict, params, args) -> dict:
             jax.block_until_ready(out)
         return run
 
-    _, seconds = ngc.interleaved({n: window(f) for n, f in fns.items()}, rounds=args.rounds, steps=args.steps,
+    _, seconds = harness.interleaved({n: window(f) for n, f in fns.items()}, rounds=args.rounds, steps=args.steps,
                                  warmup=args.warmup, pause=args.pause)
     return {n: [s / args.steps for s in v] for n, v in seconds.items()}
 
@@ -247,8 +167,8 @@ def gelu_accuracy(points: int) -> dict:
     with np.errstate(invalid="ignore", over="ignore"):
         truth = (0.5 * x64 * erfc(-x64 * math.sqrt(0.5))).astype(np.float32)
     values = {name: np.asarray(jax.jit(fn)(jnp.asarray(xs))) for name, (_, fn) in GELU_FORMS.items()}
-    if ngc.torch is not None:
-        values["torch"] = ngc.torch.nn.functional.gelu(ngc.torch.from_numpy(xs)).numpy()
+    if torch is not None:
+        values["torch"] = torch.nn.functional.gelu(torch.from_numpy(xs)).numpy()
     out = {}
     for name, v in values.items():
         d_exact, d_truth = ulp_distance(v, values["exact"]), ulp_distance(v, truth)
@@ -272,7 +192,8 @@ def gelu_timing(shape: tuple, args) -> dict:
             jax.block_until_ready(out)
 
         windows[name] = run
-    _, seconds = ngc.interleaved(windows, rounds=args.rounds, steps=args.steps, warmup=args.warmup, pause=args.pause)
+    _, seconds = harness.interleaved(windows, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+                                     pause=args.pause)
     return {n: [s / (10 * args.steps) for s in v] for n, v in seconds.items()}
 
 
@@ -323,7 +244,7 @@ def profile_step(run, batches: list, steps: int) -> dict:
     import json
     import tempfile
 
-    state = ngc._copy(run.state)  # pylint: disable=protected-access
+    state = harness.copy_tree(run.state)
     ops = hlo_ops(run.step_fn.lower(state, batches[0]).compile().as_text())
     for b in batches[:3]:
         state, _ = run.step_fn(state, b)
@@ -351,18 +272,8 @@ def profile_step(run, batches: list, steps: int) -> dict:
 # Report
 
 
-def _spread(values: list, scale: float = 1.0, fmt: str = ".1f") -> str:
-    return f"{min(values) * scale:{fmt}}-{max(values) * scale:{fmt}}"
-
-
-def _paired(a: list, b: list) -> str:
-    """Ratio of medians (bold), then the per-round paired ratios a/b: median (min-max)."""
-    pairs = sorted(x / y for x, y in zip(a, b))
-    return (f"**{statistics.median(a) / statistics.median(b):.3f}x** | {statistics.median(pairs):.3f}x "
-            f"({pairs[0]:.3f}-{pairs[-1]:.3f})")
-
-
 def model_section(res: dict, args) -> list:
+    """The model forward + backward table and the goal line."""
     t, agree, tokens = res["model_s"], res["agree"], res["tokens"]
     labels = {"jaxamp": "jaxamp `TransformerLM`", **FLAX_ROWS}
     lines = ["## Model forward + backward (fp32)", "",
@@ -375,10 +286,11 @@ def model_section(res: dict, args) -> list:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, label in labels.items():
         med = statistics.median(t[name])
-        lines.append(f"| {label} | {1e3 * med:.2f} | {_spread(t[name], 1e3, '.2f')} | {tokens / med:,.0f} | "
-                     f"{_paired(t[name], t['flax'])} | {agree[name]['loss']:.1e} | {agree[name]['grad_rel']:.1e} |")
-    ratio = statistics.median(t["jaxamp"]) / statistics.median(t["flax"])
-    paired = statistics.median([a / b for a, b in zip(t["jaxamp"], t["flax"])])
+        lines.append(f"| {label} | {1e3 * med:.2f} | {harness.spread(t[name], 1e3, '.2f')} | {tokens / med:,.0f} | "
+                     f"{harness.ratio_cells(t[name], t['flax'])} | {agree[name]['loss']:.1e} | "
+                     f"{agree[name]['grad_rel']:.1e} |")
+    ratio = harness.ratio_of_medians(t["jaxamp"], t["flax"])
+    paired = statistics.median(harness.paired_ratios(t["jaxamp"], t["flax"]))
     met = "met" if max(ratio, paired) <= GOAL else "**not met**"
     lines += ["", f"Goal (issue 14), jaxamp's model step at most {GOAL}x plain Flax's of the same math: {met} "
               f"({ratio:.3f}x by medians, {paired:.3f}x paired)."]
@@ -386,6 +298,7 @@ def model_section(res: dict, args) -> list:
 
 
 def step_section(res: dict) -> list:
+    """The full training step table: jaxamp against PyTorch."""
     thr = res["step"]
     per = thr["per_round"]
     lines = ["## Full fp32 training step against nanoGPT in eager PyTorch", "",
@@ -395,21 +308,22 @@ def step_section(res: dict) -> list:
              "| step | median tokens/s | min-max tokens/s | median ms/step | PyTorch / jaxamp: medians | paired: "
              "median (min-max) |", "| --- | --- | --- | --- | --- | --- |"]
     med = statistics.median(per["jaxamp"])
-    lines.append(f"| jaxamp fp32 | {med:,.0f} | {_spread(per['jaxamp'], 1, ',.0f')} | "
+    lines.append(f"| jaxamp fp32 | {med:,.0f} | {harness.spread(per['jaxamp'], 1, ',.0f')} | "
                  f"{1e3 * thr['tokens_per_step'] / med:.1f} | | |")
     torch_names = [n for n in per if n.startswith("torch@")]
     for name in torch_names:
         n = int(name[6:])
         v = statistics.median(per[name])
-        lines.append(f"| PyTorch {ngc.torch.__version__} fp32 eager, {n} thread{'s' if n > 1 else ''} | {v:,.0f} | "
-                     f"{_spread(per[name], 1, ',.0f')} | {1e3 * thr['tokens_per_step'] / v:.1f} | "
-                     f"{_paired(per[name], per['jaxamp'])} |")
+        lines.append(f"| PyTorch {torch.__version__} fp32 eager, {n} thread{'s' if n > 1 else ''} | {v:,.0f} | "
+                     f"{harness.spread(per[name], 1, ',.0f')} | {1e3 * thr['tokens_per_step'] / v:.1f} | "
+                     f"{harness.ratio_cells(per[name], per['jaxamp'])} |")
     if not torch_names:
-        lines.append(f"| PyTorch fp32 eager | {ngc.NO_TORCH} | | | | |")
+        lines.append(f"| PyTorch fp32 eager | {NO_TORCH} | | | | |")
     return lines
 
 
 def gelu_section(res: dict, args) -> list:
+    """The exact-GELU forms table: ulp distances and time."""
     acc, t = res["gelu_acc"], res["gelu_s"]
     regions = list(GELU_REGIONS)
     head = " | ".join(f"vs exact, {r}" for r in regions) + " | " + " | ".join(f"vs float64, {r}" for r in regions)
@@ -431,6 +345,7 @@ def gelu_section(res: dict, args) -> list:
 
 
 def profile_section(prof: dict) -> list:
+    """The `--profile` table: ms per step by kind of work."""
     total = sum(prof["kinds"].values())
     lines = ["## Where the jaxamp training step's time goes", "",
              f"XLA:CPU's trace of {prof['steps']} steps (`--profile`): {prof['ops']} compiled ops per step; for each "
@@ -465,6 +380,7 @@ NOTES = [
 
 
 def report(res: dict, args, command: str, started: datetime.datetime) -> str:
+    """The markdown report of `run`'s measurements."""
     cfg = res["cfg"]
     lines = ["# The CPU step: jaxamp against plain Flax of the same math, and against PyTorch eager", "",
              f"Generated by `benchmarks/cpu_step.py` on {started:%Y-%m-%d %H:%M} (took "
@@ -472,7 +388,7 @@ def report(res: dict, args, command: str, started: datetime.datetime) -> str:
              f"- Machine: {res['machine']}; load average at the end {res['load_end']}. A shared 2-core box with other "
              "jobs running: absolute figures move by tens of percent from run to run; the interleaved ratios are the "
              "steadier figures.",
-             f"- Versions: {ngc._versions()}.",  # pylint: disable=protected-access
+             f"- Versions: {ngc.versions()}.",
              f"- Model: nanoGPT's CPU recipe shape: {cfg.num_layers} layers, {cfg.num_heads} heads, width "
              f"{cfg.width}, seq {cfg.seq_len}, batch {args.batch_size} ({res['tokens']} tokens/step), vocab "
              f"{cfg.vocab_size}, bias={cfg.use_bias}, {res['params']:,} parameters, no dropout; data "
@@ -485,48 +401,33 @@ def report(res: dict, args, command: str, started: datetime.datetime) -> str:
     return "\n".join(lines + ["", "## Notes", ""] + NOTES) + "\n"
 
 
-def _load() -> str:
-    return ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-
-
 def parse_args(argv=None):
+    """The flags, checked (one-line usage errors)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--data", default=str(ngc.DEFAULT_DATA) if ngc.DEFAULT_DATA.exists() else None,
+    p.add_argument("--data", default=str(harness.SHAKESPEARE) if harness.SHAKESPEARE.exists() else None,
                    help="UTF-8 text (default ../shared/data/tinyshakespeare.txt; the stdlib corpus if it is missing)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--width", type=int, default=128)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=12)
+    harness.add_model_flags(p)
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=False,
                    help="biases in Dense layers and LayerNorms (default off, as nanoGPT's train.py and jaxamp's "
                         "TrainConfig)")
-    p.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (each phase)")
-    p.add_argument("--steps", type=int, default=10, help="calls per row per round")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls per row first (the first one compiles)")
-    p.add_argument("--pause", type=float, default=0.2, help="seconds idle before each timed window")
-    p.add_argument("--threads", type=ngc._thread_list,  # pylint: disable=protected-access
-                   default=ngc._thread_list(f"{os.cpu_count()},1"),  # pylint: disable=protected-access
+    harness.add_timing_flags(p, rounds=15, steps=10, warmup=3, pause=0.2)  # each phase; a variant is a row
+    p.add_argument("--threads", type=harness.thread_counts, default=harness.thread_counts(f"{os.cpu_count()},1"),
                    help="comma-separated torch.set_num_threads values, one PyTorch row each (default: all cores,1)")
     p.add_argument("--gelu-points", type=int, default=10_000_001, help="GELU sweep size in [-10, 10] (0 = skip)")
     p.add_argument("--profile", action="store_true", help="trace the jaxamp step and break its time down by kind")
     p.add_argument("--profile-steps", type=int, default=20, help="traced steps with --profile")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown report (also printed)")
     args = p.parse_args(argv)
-    check_sizes(p, args, ("layers", "heads", "width", "seq_len", "batch_size", "rounds", "steps", "warmup",
+    harness.check_sizes(p, args, ("layers", "heads", "width", "seq_len", "batch_size", "rounds", "steps", "warmup",
                           "profile_steps"), ("gelu_points", "pause"))
-    if args.data is not None and not Path(args.data).is_file():
-        p.error(f"--data {args.data} is not a file")
-    check_output(p, "--out", args.out)
+    harness.check_file(p, "--data", args.data)
+    harness.check_output(p, "--out", args.out)
     return args
 
 
 def run(args) -> dict:
     """All measurements; the report's inputs."""
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
-    res = {"machine": ngc._machine()}  # pylint: disable=protected-access  (the load before ours)
+    res = {"machine": harness.machine()}  # the load before ours
     train_cfg = TrainConfig(data=args.data, precision="fp32", layers=args.layers, heads=args.heads, width=args.width,
                             seq_len=args.seq_len, batch_size=args.batch_size, bias=args.bias, steps=2000,
                             progress=False)
@@ -537,11 +438,12 @@ def run(args) -> dict:
     fns, params = model_steps(cfg, batch)
     res.update(cfg=cfg, tokens=args.batch_size * args.seq_len, params=count_params(params))
     res["agree"] = agreement(fns, params)
-    log("model fwd+bwd: agreement " + ", ".join(f"{n}: {a['grad_rel']:.1e}" for n, a in res["agree"].items()))
+    harness.log("model fwd+bwd: agreement " + ", ".join(f"{n}: {a['grad_rel']:.1e}" for n, a in res["agree"].items()))
     res["model_s"] = time_models(fns, params, args)
-    log("model fwd+bwd ms: " + ", ".join(f"{n}: {1e3 * statistics.median(v):.1f}" for n, v in res["model_s"].items()))
+    harness.log("model fwd+bwd ms: " + ", ".join(f"{n}: {1e3 * statistics.median(v):.1f}"
+                                                 for n, v in res["model_s"].items()))
     res["step"] = full_step(run_, train_cfg, args)
-    log("train step tokens/s: " + ", ".join(f"{n}: {statistics.median(v):.0f}" for n, v in
+    harness.log("train step tokens/s: " + ", ".join(f"{n}: {statistics.median(v):.0f}" for n, v in
                                              res["step"]["per_round"].items()))
     if args.gelu_points:
         res["gelu_acc"] = gelu_accuracy(args.gelu_points)
@@ -551,25 +453,19 @@ def run(args) -> dict:
         batches = [batch_at(run_.dataset.train, seed=train_cfg.seed, step=i, batch_size=args.batch_size,
                             seq_len=args.seq_len) for i in range(8)]
         res["profile"] = profile_step(run_, batches, args.profile_steps)
-    res["load_end"] = _load()
+    res["load_end"] = harness.load_average()
     return res
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     started = datetime.datetime.now()
-    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/cpu_step.py"]
-                                   + (sys.argv[1:] if argv is None else list(argv)))
     try:
         res = run(args)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    text = report(res, args, command, started)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(text, end="")
+    harness.write_report(args.out, report(res, args, harness.command_line(__file__, argv), started))
     return 0
 
 

@@ -45,8 +45,8 @@ two runs); summary.json equals the clean one except `tokens_per_s` and `wall_s` 
 only) and `sha256` (the digest of the summary's fields, those timings included). "Records lost" counts clean-run
 steps missing from the final metrics.jsonl. Every launch that stops (an exit status other than 0, or a
 SIGTERM/SIGINT stop) writes at most 3 lines to stderr, and no launch prints a traceback (launches that are SIGKILLed
-cannot print anything and are not counted as stopping runs). On top of these, per kind (`KIND_SUCCESS`, also printed
-in the report):
+cannot print anything and are not counted as stopping runs). On top of these, per kind (`fault_kinds.KIND_SUCCESS`,
+also printed in the report):
 
   sigkill*         nothing more: the reruns resume and end bitwise;
   sigterm, sigint  the signalled launch stops quietly: exit 0 with a checkpoint (in the loop), 130 with one line
@@ -62,60 +62,58 @@ in the report):
 
 Writes `--out` (markdown: the table per kind, then one line per trial) and prints it. Trial folders are deleted
 unless a trial fails (kept under the temporary folder, whose path the report gives).
+
+This file is the campaign (flags, the clean run, trials, the report); the fault kinds are in
+`benchmarks/fault_kinds.py`, launching and comparing runs in `benchmarks/fault_runs.py`.
 """
 
+
+from __future__ import annotations
+
 import argparse
-import dataclasses
-import datetime
 import json
 import os
-import platform
 import random
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import numpy as np  # noqa: E402
 
-from jaxamp.lm.cli import check_output, check_sizes, write_report  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.fault_kinds import FAULTS, KINDS, MOUNT_KINDS, success  # noqa: E402
+from benchmarks.fault_runs import (  # noqa: E402
+    MAX_STDERR_LINES,
+    WALL_CLOCK_RECORD_FIELDS,
+    WALL_CLOCK_SUMMARY_FIELDS,
+    Launch,
+    Reference,
+    Running,
+    Tmpfs,
+    Trial,
+    compare,
+    final_leaves,
+    last_line,
+    mount_problem,
+    read_records,
+    read_summary,
+)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = harness.REPO
 SCRIPT = REPO / "experiments" / "train_lm.py"
 CHILD = REPO / "benchmarks" / "_fault_child.py"
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "fault_campaign.md"
-WALL_CLOCK_RECORD_FIELDS = ("tokens_per_s",)
-WALL_CLOCK_SUMMARY_FIELDS = ("tokens_per_s", "wall_s", "sha256")  # sha256: the summary's digest, timings included
-MAX_STDERR_LINES = 3
-KINDS = ("sigkill", "sigkill-step", "sigkill-save", "sigkill-commit", "sigkill-delete", "sigkill-append", "sigterm",
-         "sigint", "disk-full", "corrupt-checkpoint", "corrupt-metrics", "corrupt-summary", "read-only",
-         "vanished-checkpoint", "two-runs")
-MOUNT_KINDS = ("disk-full", "read-only")
-KIND_SUCCESS = {  # on top of the goals every trial must meet (bitwise, no record lost, quiet stops)
-    "sigkill": "the reruns resume and end bitwise",
-    "sigterm": "the signalled launch exits 0 with a checkpoint, or dies silently before the loop",
-    "sigint": "the signalled launch exits 0 with a checkpoint, or 130 with one line before the loop",
-    "disk-full": "the launch that meets the full disk exits 2 (one line); with space freed the reruns resume",
-    "corrupt-checkpoint": "the reruns fall back to the previous step",
-    "corrupt-metrics": "the reruns rewrite metrics.jsonl from the checkpoint's copy",
-    "corrupt-summary": "the reruns recompute summary.json from the checkpoint and the records",
-    "read-only": "the launch on the read-only workdir exits 2 and changes no file; once writable the reruns resume",
-    "vanished-checkpoint": "an older step is used; with none left the rerun is refused (exit 2) and, the workdir "
-                           "deleted as the message says, the run starts over",
-    "two-runs": "each launch exits 0, or 2 saying the workdir is in use by another run",
-}
-COMMITS_PER_SAVE = 5  # orbax renames each item's temporary folder (state, config, integrity, metrics), then the step's
+DEFAULT_OUT = harness.RESULTS / "fault_campaign.md"
+CLEAN_RUN_TIMEOUT_S = 600
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The campaign's flags, checked (one-line usage errors)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=100, help="faulted runs")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault draws")
@@ -124,27 +122,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=4, help="steps between checkpoints")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept")
     p.add_argument("--log-every", type=int, default=2, help="steps between metric fetches (appends)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=8)
+    harness.add_model_flags(p, layers=2, heads=2, width=64, seq_len=32, batch_size=8)
     p.add_argument("--max-reruns", type=int, default=4, help="reruns of the command after the fault")
     p.add_argument("--data", type=Path, default=None, help="corpus (default: a generated 40 kB text)")
     p.add_argument("--tmp-dir", type=Path, default=None, help="where workdirs go (default: $TMPDIR)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown report")
     args = p.parse_args(argv)
-    check_sizes(p, args, ("trials", "steps", "checkpoint_every", "keep", "log_every", "layers", "heads", "width",
-                          "seq_len", "batch_size", "max_reruns"), ("seed",))
+    harness.check_sizes(p, args, ("trials", "steps", "checkpoint_every", "keep", "log_every", "layers", "heads",
+                                  "width", "seq_len", "batch_size", "max_reruns"), ("seed",))
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in args.kinds if k not in KINDS]
     if unknown or not args.kinds:
         p.error(f"--kinds: unknown {unknown or 'empty list'}; choose among {', '.join(KINDS)}")
-    if args.data is not None and not args.data.is_file():
-        p.error(f"--data {args.data} is not a file; pass a UTF-8 text file, or nothing for the generated corpus")
-    check_output(p, "--out", args.out)
+    harness.check_file(p, "--data", args.data, "; pass a UTF-8 text file, or nothing for the generated corpus")
+    harness.check_output(p, "--out", args.out)
     if args.tmp_dir is not None:
-        check_output(p, "--tmp-dir", args.tmp_dir, directory=True)
+        harness.check_output(p, "--tmp-dir", args.tmp_dir, directory=True)
     return args
 
 
@@ -160,261 +153,7 @@ def train_args(args: argparse.Namespace, corpus: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Launching runs.
-
-
-@dataclasses.dataclass
-class Launch:
-    """One finished invocation of the training command."""
-
-    role: str
-    returncode: int
-    stdout: str
-    stderr: str
-    killed: bool = False  # SIGKILLed by the campaign or by its failpoint: it could print nothing more
-    wall_s: float = 0.0
-
-    @property
-    def stderr_lines(self) -> int:
-        return len([line for line in self.stderr.splitlines() if line.strip()])
-
-    @property
-    def tracebacks(self) -> int:
-        return self.stderr.count("Traceback (most recent call last)")
-
-    @property
-    def stopping(self) -> bool:
-        """A run the fault stopped on its own terms (an error exit, or a SIGTERM/SIGINT stop)."""
-        return not self.killed and (self.returncode != 0 or "stopped by SIG" in self.stdout)
-
-    def brief(self) -> str:
-        status = "SIGKILLed" if self.killed else f"exit {self.returncode}"
-        return f"{self.role}: {status}, {self.stderr_lines} stderr line(s)"
-
-
-class Running:
-    """A launched command whose output goes to files (no pipe can fill up)."""
-
-    def __init__(self, cmd: list[str], env: dict, folder: Path, role: str):
-        folder.mkdir(parents=True, exist_ok=True)
-        self.role, self.started = role, time.monotonic()
-        self._out, self._err = folder / f"{role}.out", folder / f"{role}.err"
-        with open(self._out, "w") as out, open(self._err, "w") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err)
-        self.signalled: int | None = None
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def signal_at(self, instant: float, sig: int) -> bool:
-        """Sends `sig` `instant` seconds after launch; False when the run had already ended."""
-        while self.alive() and time.monotonic() - self.started < instant:
-            time.sleep(0.005)
-        if not self.alive():
-            return False
-        self.proc.send_signal(sig)
-        self.signalled = sig
-        return True
-
-    def finish(self, timeout: float) -> Launch:
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            self._err.write_text(self._err.read_text() + f"\n[campaign: killed after {timeout:.0f} s: hung]\n")
-        code = self.proc.returncode
-        killed = code == -signal.SIGKILL
-        return Launch(self.role, code, self._out.read_text(errors="replace"), self._err.read_text(errors="replace"),
-                      killed, time.monotonic() - self.started)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The clean run and the comparison with it.
-
-
-@dataclasses.dataclass
-class Reference:
-    """What every trial must end with."""
-
-    records: list[dict]
-    summary: dict
-    leaves: dict[str, tuple]
-    launch_s: float  # duration of one clean launch (compilation cached)
-
-
-def _strip(record: dict, fields: tuple[str, ...]) -> dict:
-    return {k: v for k, v in record.items() if k not in fields}
-
-
-def _read_records(workdir: Path) -> list[dict]:
-    from jaxamp.lm.metrics_log import read_metrics
-
-    try:
-        return read_metrics(workdir / "metrics.jsonl")
-    except (OSError, ValueError):
-        return []
-
-
-def read_summary(workdir: Path) -> dict | None:
-    try:
-        summary = json.loads((workdir / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None
-
-
-def final_leaves(workdir: Path, abstract) -> tuple[int, dict[str, tuple]]:
-    """The newest usable checkpoint of `workdir`, restored (sha256-verified): its step and {leaf: (dtype, shape,
-    bytes)}."""
-    import jax
-
-    from jaxamp.checkpoint import Checkpointer
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with Checkpointer(workdir / "checkpoints") as ckpt:
-            state, _ = ckpt.restore(abstract)
-    leaves = {}
-    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        arr = np.asarray(jax.device_get(x))
-        leaves[jax.tree_util.keystr(path)] = (str(arr.dtype), arr.shape, arr.tobytes())
-    return int(state.step), leaves
-
-
-def compare(ref: Reference, workdir: Path, abstract) -> dict:
-    """The final workdir against the clean run: bitwise state, records and summary, lost and duplicated steps."""
-    records = _read_records(workdir)
-    steps = [r.get("step") for r in records]
-    # Compared as JSON text: a NaN grad_norm equals itself there (NaN != NaN as a float).
-    ref_by_step = {r["step"]: json.dumps(_strip(r, WALL_CLOCK_RECORD_FIELDS)) for r in ref.records}
-    ours = {r.get("step"): json.dumps(_strip(r, WALL_CLOCK_RECORD_FIELDS)) for r in records}
-    out = {"lost": len(set(ref_by_step) - set(steps)), "duplicated": len(steps) - len(set(steps)),
-           "differing": sum(s in ref_by_step and ours[s] != ref_by_step[s] for s in ours),
-           "extra": len(set(steps) - set(ref_by_step))}
-    out["records_equal"] = (steps == [r["step"] for r in ref.records]
-                            and [ours[s] for s in steps] == [ref_by_step[s] for s in steps])
-    summary = read_summary(workdir)
-    out["summary_equal"] = summary is not None and (json.dumps(_strip(summary, WALL_CLOCK_SUMMARY_FIELDS))
-                                                    == json.dumps(_strip(ref.summary, WALL_CLOCK_SUMMARY_FIELDS)))
-    try:
-        step, leaves = final_leaves(workdir, abstract)
-        out["state_equal"] = leaves == ref.leaves
-        out["final_step"] = step
-    except Exception as err:  # noqa: BLE001 - any failure to restore means "not equal"; the reason is reported
-        out["state_equal"], out["final_step"] = False, f"unrestorable: {type(err).__name__}: {err}"[:200]
-    out["bitwise"] = out["state_equal"] and out["records_equal"] and out["summary_equal"]
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# File-system helpers: damage, snapshots, tmpfs mounts.
-
-
-def damage(path: Path, rng: random.Random) -> str:
-    """Flips one random byte of `path` (XOR with a random non-zero mask) or truncates it to a random length."""
-    data = path.read_bytes()
-    if not data:
-        return f"{path.name} is empty: left as it is"
-    if rng.random() < 0.5:
-        i, mask = rng.randrange(len(data)), rng.randrange(1, 256)
-        path.write_bytes(data[:i] + bytes([data[i] ^ mask]) + data[i + 1:])
-        return f"byte {i} of {len(data)} XOR 0x{mask:02x}"
-    size = rng.randrange(len(data))
-    os.truncate(path, size)
-    return f"truncated from {len(data)} to {size} bytes"
-
-
-def snapshot(folder: Path) -> list[tuple]:
-    """(path, size, mtime) of everything under `folder`: equal snapshots = nothing written."""
-    if not folder.exists():
-        return []
-    return sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*"))
-
-
-def _sh(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=60)
-
-
-def mount_problem(tmp: Path) -> str | None:
-    """None when a tmpfs can be mounted here; else why not (the mount kinds are then skipped)."""
-    if shutil.which("mount") is None:
-        return "no mount command"
-    probe = tmp / "mount-probe"
-    probe.mkdir(exist_ok=True)
-    result = _sh("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe))
-    if result.returncode != 0:
-        return f"mount -t tmpfs is not allowed here ({' '.join(result.stderr.split())[:120]})"
-    _sh("umount", str(probe))
-    return None
-
-
-class Tmpfs:
-    """A small tmpfs mounted on `path` for one trial."""
-
-    def __init__(self, path: Path, size_mb: int):
-        path.mkdir(parents=True, exist_ok=True)
-        result = _sh("mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path))
-        if result.returncode != 0:
-            raise RuntimeError(f"mount failed: {result.stderr.strip()}")
-        self.path = path
-
-    def remount(self, read_only: bool) -> None:
-        result = _sh("mount", "-o", f"remount,{'ro' if read_only else 'rw'}", str(self.path))
-        if result.returncode != 0:
-            raise RuntimeError(f"remount failed: {result.stderr.strip()}")
-
-    def fill(self, ballast: Path, leave: int) -> int:
-        """Fills the filesystem with `ballast` until `leave` bytes stay free; returns the bytes taken."""
-        st = os.statvfs(self.path)
-        want = max(0, st.f_bavail * st.f_frsize - leave)
-        with open(ballast, "wb") as f:
-            while want > 0:
-                try:
-                    os.posix_fallocate(f.fileno(), 0, want)
-                    break
-                except OSError:  # the run took some space meanwhile
-                    want -= 64 * 1024
-        return max(want, 0)
-
-    def close(self) -> None:
-        if _sh("umount", str(self.path)).returncode != 0:
-            _sh("umount", "-l", str(self.path))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Trials.
-
-
-@dataclasses.dataclass
-class Trial:
-    """One fault and the resumes after it."""
-
-    index: int
-    kind: str
-    rng: random.Random
-    folder: Path
-    workdir: Path
-    details: list[str] = dataclasses.field(default_factory=list)
-    launches: list[Launch] = dataclasses.field(default_factory=list)
-    violations: list[str] = dataclasses.field(default_factory=list)
-    result: dict = dataclasses.field(default_factory=dict)
-    skipped: str | None = None
-    fs: Tmpfs | None = None
-    allow_start_over: bool = False  # the fault removed every checkpoint: the refusal and a fresh start are right
-
-    def note(self, text: str) -> None:
-        self.details.append(text)
-
-    def expect(self, ok: bool, text: str) -> None:
-        if not ok:
-            self.violations.append(text)
-
-    @property
-    def ok(self) -> bool:
-        return self.skipped is None and not self.violations
+# The campaign: settings, the clean run's figures, and the launching shared by every trial.
 
 
 class Campaign:
@@ -436,14 +175,17 @@ class Campaign:
         self.ref_bytes = 0
 
     def command(self, workdir: Path, failpoint: dict | None = None) -> list[str]:
+        """The training command on `workdir` (through the failpoint child when one is armed)."""
         script = SCRIPT if failpoint is None else CHILD
         return [sys.executable, str(script), *self.base, "--workdir", str(workdir)]
 
     def start(self, t: Trial, role: str, failpoint: dict | None = None) -> Running:
+        """Launches the command on the trial's workdir (logs under its folder as `role`)."""
         env = self.env if failpoint is None else {**self.env, "JAXAMP_FAILPOINT": json.dumps(failpoint)}
         return Running(self.command(t.workdir, failpoint), env, t.folder / "logs", role)
 
     def finish(self, t: Trial, run: Running) -> Launch:
+        """Waits for `run` (killed when it hangs past 10 T + 60 s), records and returns its launch."""
         timeout = 60 + 10 * (self.ref.launch_s if self.ref else 60)
         launch = run.finish(timeout)
         t.launches.append(launch)
@@ -459,9 +201,11 @@ class Campaign:
             self.ref.launch_s = float(np.median(self.durations))
 
     def launch(self, t: Trial, role: str, failpoint: dict | None = None) -> Launch:
+        """`start`, then `finish`."""
         return self.finish(t, self.start(t, role, failpoint))
 
     def finished(self, workdir: Path) -> bool:
+        """summary.json says the run ended at --steps (not stopped by a signal)."""
         summary = read_summary(workdir)
         return bool(summary) and summary.get("steps") == self.n and summary.get("stopped_by") is None
 
@@ -478,7 +222,7 @@ class Campaign:
                 t.note("refused (no checkpoint left); workdir deleted as the message says")
                 continue
             t.violations.append(f"{launch.role} exited {launch.returncode} with nothing the user can fix: "
-                                f"{_last_line(launch.stderr)}")
+                                f"{last_line(launch.stderr)}")
             return
         t.violations.append(f"not finished after {self.args.max_reruns} reruns")
 
@@ -490,7 +234,7 @@ class Campaign:
 
     def wait_records(self, t: Trial, run: Running, count: int) -> bool:
         """Waits until metrics.jsonl holds `count` records; False when the run ended first."""
-        while run.alive() and len(_read_records(t.workdir)) < count:
+        while run.alive() and len(read_records(t.workdir)) < count:
             time.sleep(0.01)
         return run.alive()
 
@@ -500,218 +244,14 @@ class Campaign:
         entries = sorted(os.listdir(folder)) if folder.is_dir() else []
         steps = sorted(int(e) for e in entries if e.isdigit())
         cut = sorted(e.split(".")[0] for e in entries if ".orbax-checkpoint-tmp" in e)
-        records = _read_records(workdir)
+        records = read_records(workdir)
         return (f"records to step {records[-1]['step'] if records else 0}, committed steps {steps}"
                 + (f", saves cut short {cut}" if cut else ""))
 
     def mount(self, t: Trial) -> None:
+        """Puts the trial's workdir on a tmpfs twice the clean run's size."""
         t.fs = Tmpfs(t.folder / "mnt", max(4, 2 * self.ref_bytes // 2**20 + 2))
         t.workdir = t.fs.path / "run"
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return lines[-1][:300] if lines else "(no output)"
-
-
-def _committed_steps(workdir: Path) -> list[int]:
-    folder = workdir / "checkpoints"
-    if not folder.is_dir():
-        return []
-    return sorted(int(e) for e in os.listdir(folder) if e.isdigit() and (folder / e).is_dir())
-
-
-def _stop_run(c: Campaign, t: Trial, how: str) -> None:
-    """Runs the command once and stops it as `how` says: "finished", "SIGKILL at a random instant",
-    "SIGKILL at a random step" or "SIGTERM at a random step" (or "never started": nothing)."""
-    if how == "never started":
-        t.note("no run before the fault")
-        return
-    if how == "finished":
-        c.launch(t, "first")
-        t.note("after a finished run")
-        return
-    run = c.start(t, "first")
-    sig = signal.SIGKILL if how.startswith("SIGKILL") else signal.SIGTERM
-    if how.endswith("random instant"):
-        instant = t.rng.uniform(0, c.ref.launch_s)
-        hit = run.signal_at(instant, sig)
-        what = f"{instant:.2f} s after launch"
-    else:
-        step = t.rng.randint(min(c.args.checkpoint_every + 1, c.n), c.n)
-        hit = c.wait_records(t, run, step) and run.signal_at(0, sig)
-        what = f"at step {step}"
-    c.finish(t, run)
-    t.note(f"after {sig.name} {what}" + ("" if hit else " (the run had ended)") + f" ({c.where(t.workdir)})")
-
-
-def fault_sigkill(c: Campaign, t: Trial) -> None:
-    instant = t.rng.uniform(0, c.ref.launch_s)
-    run = c.start(t, "faulted")
-    hit = run.signal_at(instant, signal.SIGKILL)
-    c.finish(t, run)
-    t.note(f"SIGKILL {instant:.2f} s after launch" + ("" if hit else " (the run had ended)")
-           + f" ({c.where(t.workdir)})")
-    c.resume(t)
-
-
-def _failpoint(c: Campaign, t: Trial, at: str) -> dict:
-    rng = t.rng
-    spec = {"at": at, "seed": rng.randrange(2**31)}
-    if at == "step":
-        spec.update(hit=rng.randint(1, c.n), delay=rng.uniform(0, 0.05))
-    elif at == "save":
-        spec.update(hit=rng.randint(1, len(c.saves)), delay=rng.uniform(0, 0.3))
-    elif at == "commit":
-        spec.update(hit=rng.randint(1, COMMITS_PER_SAVE * len(c.saves)), point=rng.choice(["before", "after"]))
-    elif at == "delete":
-        spec.update(hit=rng.randint(1, max(1, len(c.saves) - c.args.keep)), fraction=rng.random())
-    else:
-        spec.update(hit=rng.randint(1, len(c.appends)), fraction=rng.random())
-    return spec
-
-
-def _describe_failpoint(spec: dict) -> str:
-    what = {"step": "step {hit} dispatched + {delay:.3f} s", "save": "save #{hit} returned + {delay:.3f} s",
-            "commit": "commit #{hit} ({point} its rename)", "delete": "deletion #{hit}, {fraction:.0%} of its files",
-            "append": "append #{hit}, {fraction:.0%} of its bytes written"}[spec["at"]]
-    return "SIGKILL at " + what.format(**spec)
-
-
-def fault_failpoint(at: str) -> Callable[[Campaign, Trial], None]:
-    def fault(c: Campaign, t: Trial) -> None:
-        spec = _failpoint(c, t, at)
-        launch = c.launch(t, "faulted", spec)
-        t.note(_describe_failpoint(spec) + ("" if launch.killed else " (never reached: the run ended)")
-               + f" ({c.where(t.workdir)})")
-        c.resume(t)
-
-    return fault
-
-
-def fault_signal(sig: signal.Signals) -> Callable[[Campaign, Trial], None]:
-    def fault(c: Campaign, t: Trial) -> None:
-        instant = t.rng.uniform(0, c.ref.launch_s)
-        run = c.start(t, "faulted")
-        hit = run.signal_at(instant, sig)
-        launch = c.finish(t, run)
-        t.note(f"{sig.name} {instant:.2f} s after launch" + ("" if hit else " (the run had ended)")
-               + f": exit {launch.returncode} ({c.where(t.workdir)})")
-        c.resume(t)
-
-    return fault
-
-
-def fault_disk_full(c: Campaign, t: Trial) -> None:
-    c.mount(t)
-    instant, leave = t.rng.uniform(0, c.ref.launch_s), t.rng.randrange(64 * 1024)
-    ballast = t.fs.path / "ballast"
-    run = c.start(t, "faulted")
-    alive = c.wait_until(run, instant)
-    taken = t.fs.fill(ballast, leave)
-    launch = c.finish(t, run)
-    t.note(f"disk filled {instant:.2f} s after launch ({taken // 1024} KiB, {leave // 1024} KiB left)"
-           + ("" if alive else " (the run had ended)") + f": exit {launch.returncode} ({c.where(t.workdir)})")
-    t.expect(launch.returncode in (0, 2) or launch.killed, f"a run on a full disk exits 0 or 2, got "
-             f"{launch.returncode}")
-    ballast.unlink()
-    c.resume(t)
-
-
-def fault_corrupt(target: str) -> Callable[[Campaign, Trial], None]:
-    def fault(c: Campaign, t: Trial) -> None:
-        stop = "SIGTERM at a random step" if target == "summary" else "SIGKILL at a random step"
-        _stop_run(c, t, t.rng.choice([stop, "finished"]))
-        if target == "checkpoint":
-            steps = _committed_steps(t.workdir)
-            if not steps:
-                t.note("no committed step to damage")
-                c.resume(t)
-                return
-            folder = t.workdir / "checkpoints" / str(steps[-1])
-            files = sorted(p for p in folder.rglob("*") if p.is_file() and p.stat().st_size > 0)
-            victim = t.rng.choice(files)
-        else:
-            victim = t.workdir / ("metrics.jsonl" if target == "metrics" else "summary.json")
-        if victim.exists():
-            t.note(f"{victim.relative_to(t.workdir)}: {damage(victim, t.rng)}")
-        else:
-            t.note(f"no {victim.name} to damage")
-        c.resume(t)
-
-    return fault
-
-
-def fault_read_only(c: Campaign, t: Trial) -> None:
-    c.mount(t)
-    _stop_run(c, t, t.rng.choice(["never started", "SIGKILL at a random instant", "finished"]))
-    before = snapshot(t.fs.path)
-    t.fs.remount(read_only=True)
-    launch = c.launch(t, "read-only")
-    t.note(f"read-only run: exit {launch.returncode}: {_last_line(launch.stderr or launch.stdout)}")
-    t.expect(launch.returncode == 2 or (launch.returncode == 0 and "nothing to train" in launch.stdout),
-             f"the run on a read-only workdir exits 2 (or 0 with nothing to train), got {launch.returncode}")
-    t.expect(snapshot(t.fs.path) == before, "the run on a read-only workdir changed files")
-    t.fs.remount(read_only=False)
-    c.resume(t)
-
-
-def _remove_checkpoints(t: Trial, what: str) -> str:
-    folder = t.workdir / "checkpoints"
-    if what == "the checkpoints folder":
-        if not folder.exists():
-            return "no checkpoints folder yet"
-        shutil.rmtree(folder, ignore_errors=True)
-        t.allow_start_over = True
-        return "checkpoints/ deleted"
-    steps = _committed_steps(t.workdir)
-    if not steps:
-        return "no committed step to delete"
-    step = t.rng.choice(steps)
-    shutil.rmtree(folder / str(step), ignore_errors=True)
-    return f"step {step} of {steps} deleted"
-
-
-def fault_vanished(c: Campaign, t: Trial) -> None:
-    what = t.rng.choice(["a step folder", "the checkpoints folder"])
-    if t.rng.random() < 0.5:
-        run = c.start(t, "faulted")
-        step = t.rng.randint(min(c.args.checkpoint_every + 1, c.n), c.n)
-        alive = c.wait_records(t, run, step)
-        removed = _remove_checkpoints(t, what)
-        launch = c.finish(t, run)
-        t.note(f"during the run, at step {step}" + ("" if alive else " (the run had ended)")
-               + f": {removed}; the run exited {launch.returncode}")
-    else:
-        _stop_run(c, t, t.rng.choice(["SIGKILL at a random instant", "finished"]))
-        t.note(f"between runs: {_remove_checkpoints(t, what)}")
-    c.resume(t)
-
-
-def fault_two_runs(c: Campaign, t: Trial) -> None:
-    gap = t.rng.uniform(0, c.ref.launch_s / 2)
-    first = c.start(t, "first")
-    time.sleep(gap)
-    second = c.start(t, "second")
-    a, b = c.finish(t, first), c.finish(t, second)
-    t.note(f"second run {gap:.2f} s after the first: exits {a.returncode} and {b.returncode}")
-    for launch in (a, b):
-        t.expect(launch.returncode == 0 or (launch.returncode == 2 and "in use by another run" in launch.stderr),
-                 f"{launch.role} run: exit {launch.returncode}: {_last_line(launch.stderr)}")
-    if not c.finished(t.workdir):
-        c.resume(t)
-
-
-FAULTS: dict[str, Callable[[Campaign, Trial], None]] = {
-    "sigkill": fault_sigkill, "sigkill-step": fault_failpoint("step"), "sigkill-save": fault_failpoint("save"),
-    "sigkill-commit": fault_failpoint("commit"), "sigkill-delete": fault_failpoint("delete"),
-    "sigkill-append": fault_failpoint("append"), "sigterm": fault_signal(signal.SIGTERM),
-    "sigint": fault_signal(signal.SIGINT), "disk-full": fault_disk_full,
-    "corrupt-checkpoint": fault_corrupt("checkpoint"), "corrupt-metrics": fault_corrupt("metrics"),
-    "corrupt-summary": fault_corrupt("summary"), "read-only": fault_read_only,
-    "vanished-checkpoint": fault_vanished, "two-runs": fault_two_runs,
-}
-assert tuple(FAULTS) == KINDS
 
 
 def judge(c: Campaign, t: Trial) -> None:
@@ -730,6 +270,7 @@ def judge(c: Campaign, t: Trial) -> None:
 
 
 def run_trial(c: Campaign, index: int, kind: str, seed: int, mount_problem: str | None) -> Trial:
+    """One trial of `kind`, judged; its folder deleted when it meets every goal (else kept, tmpfs copied out)."""
     folder = c.tmp / f"trial-{index:03d}-{kind}"
     t = Trial(index, kind, random.Random(seed), folder, folder / "run")
     if kind in MOUNT_KINDS and mount_problem:
@@ -755,16 +296,18 @@ def run_trial(c: Campaign, index: int, kind: str, seed: int, mount_problem: str 
 
 
 def make_corpus(path: Path) -> Path:
+    """A generated corpus of 8,000 random words (about 40 kB) at `path`."""
     words = np.array("to be or not to be that is the question whether tis nobler in the mind\n".split(" "))
     path.write_text(" ".join(np.random.default_rng(0).choice(words, 8000)), encoding="utf-8")
     return path
 
 
 def clean_run(c: Campaign, workdir: Path) -> tuple[Launch, float]:
+    """One clean launch on `workdir` and its seconds; RuntimeError unless it finished."""
     started = time.monotonic()
     launch = Running(c.command(workdir), c.env, workdir.parent / "logs", workdir.name).finish(600)
     if launch.returncode != 0 or not c.finished(workdir):
-        raise RuntimeError(f"the clean run failed (exit {launch.returncode}): {_last_line(launch.stderr)}")
+        raise RuntimeError(f"the clean run failed (exit {launch.returncode}): {last_line(launch.stderr)}")
     return launch, time.monotonic() - started
 
 
@@ -784,7 +327,7 @@ def reference(c: Campaign) -> Reference:
     _, launch_s = clean_run(c, second)
     c.durations = [launch_s]
     _, leaves = final_leaves(first, c.abstract)
-    ref = Reference(_read_records(first), read_summary(first), leaves, launch_s)
+    ref = Reference(read_records(first), read_summary(first), leaves, launch_s)
     check = compare(ref, second, c.abstract)
     if not check["bitwise"]:
         raise RuntimeError(f"two clean runs differ ({check}): the run is not reproducible, so no resume can be "
@@ -807,18 +350,28 @@ def draw_kinds(kinds: list[str], trials: int, rng: random.Random) -> list[str]:
     return out[:trials]
 
 
-def kind_row(kind: str, trials: list[Trial]) -> str:
+def _totals(trials: list[Trial]) -> dict:
+    """The figures of one table row (or of the headline) over `trials`: those that ran, bitwise, lost, ..."""
     ran = [t for t in trials if t.skipped is None]
-    if not ran:
-        return f"| {kind} | 0 | skipped: {trials[0].skipped} | | | | | | |"
     stopping = [launch for t in ran for launch in t.launches if launch.stopping]
-    return (f"| {kind} | {len(ran)} | {sum(t.result.get('bitwise', False) for t in ran)} | "
-            f"{sum(t.result.get('lost', 0) for t in ran)} | {sum(t.result.get('duplicated', 0) for t in ran)} | "
-            f"{len(stopping)} | {max((s.stderr_lines for s in stopping), default=0)} | "
-            f"{sum(launch.tracebacks for t in ran for launch in t.launches)} | {sum(t.ok for t in ran)} |")
+    return {"ran": len(ran), "bitwise": sum(t.result.get("bitwise", False) for t in ran),
+            "lost": sum(t.result.get("lost", 0) for t in ran),
+            "duplicated": sum(t.result.get("duplicated", 0) for t in ran), "stopping": len(stopping),
+            "max_lines": max((s.stderr_lines for s in stopping), default=0),
+            "tracebacks": sum(launch.tracebacks for t in ran for launch in t.launches), "ok": sum(t.ok for t in ran)}
+
+
+def kind_row(kind: str, trials: list[Trial]) -> str:
+    """The per-kind table's row of `kind`."""
+    n = _totals(trials)
+    if not n["ran"]:
+        return f"| {kind} | 0 | skipped: {trials[0].skipped} | | | | | | |"
+    return harness.row([kind, n["ran"], n["bitwise"], n["lost"], n["duplicated"], n["stopping"], n["max_lines"],
+                        n["tracebacks"], n["ok"]])
 
 
 def trial_line(t: Trial) -> str:
+    """The per-trial table's row of `t` (also printed as each trial ends)."""
     if t.skipped:
         return f"| {t.index} | {t.kind} | skipped: {t.skipped} | | |"
     launches = "; ".join(launch.brief() for launch in t.launches)
@@ -826,54 +379,57 @@ def trial_line(t: Trial) -> str:
     return f"| {t.index} | {t.kind} | {'; '.join(t.details)} | {launches} | {result} |"
 
 
-def report(c: Campaign, trials: list[Trial], argv: list[str], wall: float) -> str:
-    ran = [t for t in trials if t.skipped is None]
-    stopping = [launch for t in ran for launch in t.launches if launch.stopping]
-    by_kind: dict[str, list[Trial]] = {}
-    for t in trials:
-        by_kind.setdefault(t.kind, []).append(t)
-    lines = [
+DEFINITIONS = (
+    "Definitions. *Resumed bitwise*: after the reruns, the final checkpoint's state (restored, sha256-verified) "
+    "equals the clean run's in every leaf's bytes, metrics.jsonl equals the clean run's record by record except "
+    f"{', '.join(WALL_CLOCK_RECORD_FIELDS)} (wall-clock throughput), and summary.json equals the clean one "
+    f"except {', '.join(WALL_CLOCK_SUMMARY_FIELDS)} (timings of the last invocation, and the digest that covers "
+    "them). *Records lost*: clean-run "
+    "steps missing from the final metrics.jsonl; *duplicated*: steps written twice. *Stopping runs*: launches "
+    "that ended with an error exit or a SIGTERM/SIGINT stop (SIGKILLed launches cannot print and are not "
+    f"counted); each must write at most {MAX_STDERR_LINES} stderr lines; no launch may print a traceback. "
+    "*Goals met*: trials with no violation of these rules or of their kind's own expectations (see the "
+    "docstring of benchmarks/fault_campaign.py). The fault kinds and their random parameters are described "
+    "there too.")
+
+
+def _header(c: Campaign, trials: list[Trial], argv: list[str], wall: float) -> list[str]:
+    n = _totals(trials)
+    skipped = f" ({len(trials) - n['ran']} skipped)" if n["ran"] < len(trials) else ""
+    return [
         "# Fault campaign: random faults, resumed runs compared bitwise with a clean run",
         "",
-        f"Command: `{' '.join(['python benchmarks/fault_campaign.py', shlex.join(argv)]).strip()}` ({wall:.0f} s)",
-        f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs; Python "
-        f"{platform.python_version()}; trial folders in {c.tmp}",
+        f"Command: `{harness.command_line(__file__, argv)}` ({wall:.0f} s)",
+        f"Date: {harness.now()}",
+        f"Machine: {harness.machine()}; trial folders in {c.tmp}",
         f"Each run: `python experiments/train_lm.py {shlex.join(c.base)} --workdir WORKDIR` "
         f"(T = {c.durations[0]:.1f} s per clean launch at the start, {c.ref.launch_s:.1f} s at the end; two clean "
         "runs agree bitwise)",
         "",
-        f"**{sum(t.result.get('bitwise', False) for t in ran)} of {len(ran)} trials resumed bitwise; "
-        f"{sum(t.result.get('lost', 0) for t in ran)} records lost; {len(stopping)} stopping runs, at most "
-        f"{max((s.stderr_lines for s in stopping), default=0)} stderr lines each; "
-        f"{sum(launch.tracebacks for t in ran for launch in t.launches)} tracebacks; {sum(t.ok for t in ran)} of "
-        f"{len(ran)} trials meet every goal**" + (f" ({len(trials) - len(ran)} skipped)" if len(ran) < len(trials)
-                                                  else ""),
+        f"**{n['bitwise']} of {n['ran']} trials resumed bitwise; {n['lost']} records lost; {n['stopping']} stopping "
+        f"runs, at most {n['max_lines']} stderr lines each; {n['tracebacks']} tracebacks; {n['ok']} of {n['ran']} "
+        f"trials meet every goal**{skipped}",
+    ]
+
+
+def report(c: Campaign, trials: list[Trial], argv: list[str], wall: float) -> str:
+    """The markdown report: headline, the table per kind, each kind's own success, definitions, one row per trial."""
+    by_kind: dict[str, list[Trial]] = {}
+    for t in trials:
+        by_kind.setdefault(t.kind, []).append(t)
+    kinds = [kind for kind in KINDS if kind in by_kind]
+    lines = [
+        *_header(c, trials, argv, wall),
         "",
-        "| fault kind | trials | resumed bitwise | records lost | duplicated | stopping runs | max stderr lines | "
-        "tracebacks | goals met |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        *(kind_row(kind, by_kind[kind]) for kind in KINDS if kind in by_kind),
+        *harness.table(["fault kind", "trials", "resumed bitwise", "records lost", "duplicated", "stopping runs",
+                        "max stderr lines", "tracebacks", "goals met"], align="lrrrrrrrr"),
+        *(kind_row(kind, by_kind[kind]) for kind in kinds),
         "",
-        "| fault kind | success, on top of the goals |",
-        "| --- | --- |",
-        *(f"| {kind} | {KIND_SUCCESS[kind.split('-')[0] if kind.startswith('sigkill') else kind]} |"
-          for kind in KINDS if kind in by_kind),
+        *harness.table(["fault kind", "success, on top of the goals"], [[kind, success(kind)] for kind in kinds]),
         "",
-        "Definitions. *Resumed bitwise*: after the reruns, the final checkpoint's state (restored, sha256-verified) "
-        "equals the clean run's in every leaf's bytes, metrics.jsonl equals the clean run's record by record except "
-        f"{', '.join(WALL_CLOCK_RECORD_FIELDS)} (wall-clock throughput), and summary.json equals the clean one "
-        f"except {', '.join(WALL_CLOCK_SUMMARY_FIELDS)} (timings of the last invocation, and the digest that covers "
-        "them). *Records lost*: clean-run "
-        "steps missing from the final metrics.jsonl; *duplicated*: steps written twice. *Stopping runs*: launches "
-        "that ended with an error exit or a SIGTERM/SIGINT stop (SIGKILLed launches cannot print and are not "
-        f"counted); each must write at most {MAX_STDERR_LINES} stderr lines; no launch may print a traceback. "
-        "*Goals met*: trials with no violation of these rules or of their kind's own expectations (see the "
-        "docstring of benchmarks/fault_campaign.py). The fault kinds and their random parameters are described "
-        "there too.",
+        DEFINITIONS,
         "",
-        "| # | kind | fault (what happened) | launches | result |",
-        "| ---: | --- | --- | --- | --- |",
+        *harness.table(["#", "kind", "fault (what happened)", "launches", "result"], align="rllll"),
         *(trial_line(t) for t in trials),
         "",
     ]
@@ -916,7 +472,7 @@ def _campaign(args: argparse.Namespace, argv: list[str]) -> int:
     text = report(c, trials, argv, time.monotonic() - t_start)
     if all(t.ok or t.skipped for t in trials):
         shutil.rmtree(tmp, ignore_errors=True)
-    write_report(args.out, text)
+    harness.write_report(args.out, text)
     return 0
 
 

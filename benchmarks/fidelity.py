@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import platform
 import sys
 from pathlib import Path
 from unittest import mock
@@ -37,15 +35,15 @@ import optax  # noqa: E402
 
 import jaxamp.layers  # noqa: E402
 import jaxamp.lm.model  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy  # noqa: E402
 from jaxamp.fidelity import gradient_pair  # noqa: E402
-from jaxamp.lm.cli import write_report  # noqa: E402
 from jaxamp.lm.data import CharDataset, batch_at, load_text  # noqa: E402
 from jaxamp.lm.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, cross_entropy_loss  # noqa: E402
 from jaxamp.precision import leaf_path  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = harness.SHAKESPEARE
+DEFAULT_OUT = harness.RESULTS / "fidelity.md"
 FULL = dict(layers=4, heads=4, width=128, seq_len=64, batch_size=64)  # nanoGPT's CPU recipe, 4,096 tokens
 TINY = dict(layers=1, heads=2, width=32, seq_len=32, batch_size=128)  # 4,096 tokens: sums long enough to show
 
@@ -101,6 +99,7 @@ def measure(model, params, batch, precision: str, fixed: bool) -> dict:
 
 
 def batches(ds: CharDataset, size: dict) -> dict:
+    """The `characters` training batch and its `skewed` copy (80% of the inputs the space character)."""
     inputs, targets = batch_at(ds.train, seed=0, step=0, batch_size=size["batch_size"], seq_len=size["seq_len"])
     space = int(ds.tokenizer.encode(" ")[0])
     skewed = np.where(np.random.default_rng(0).random(inputs.shape) < 0.8, space, inputs).astype(np.int32)
@@ -108,19 +107,19 @@ def batches(ds: CharDataset, size: dict) -> dict:
 
 
 def report(rows: list[dict], size: dict, corpus: str, argv) -> str:
+    """The markdown table: one row per precision, batch and variant."""
     pct = lambda x: f"{100 * x:.2f}%"  # noqa: E731
     lines = [
         "# Gradient fidelity: bf16 and fp16 against float32, before and after the fix",
         "",
-        f"- command: `python benchmarks/fidelity.py {' '.join(argv)}`",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; jax {jax.__version__}; "
-        f"{jax.devices()[0].platform}; {platform.platform()}",
+        f"- command: `{harness.command_line(__file__, argv)}`",
+        f"- date: {harness.now()}; machine: {harness.machine()}",
         f"- model: {size['layers']} layers, {size['heads']} heads, width {size['width']}, biases on; batch "
         f"{size['batch_size']} x {size['seq_len']} tokens of {corpus}; init seed 0",
         "- error = ||g - g_f32|| / ||g_f32|| per leaf; `row` = the embedding row of the batch's most frequent token",
         "",
-        "| precision | batch | top token share | variant | kernel median | worst leaf | worst | row |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *harness.table(["precision", "batch", "top token share", "variant", "kernel median", "worst leaf", "worst",
+                        "row"]),
     ]
     for r in rows:
         lines.append(f"| {r['precision']} | {r['batch']} | {pct(r['top_share'])} | {r['variant']} | "
@@ -128,14 +127,23 @@ def report(rows: list[dict], size: dict, corpus: str, argv) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, checked (one-line usage errors)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="a small model (the test suite's run)")
     p.add_argument("--data", default=None, help="text corpus (default: tinyshakespeare if at ../shared, else the "
                    "Python standard library's sources)")
     p.add_argument("--precisions", nargs="+", choices=["bf16", "fp16"], default=["bf16", "fp16"])
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "fidelity.md"), help="markdown table")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown table")
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    harness.check_file(p, "--data", args.data)
+    harness.check_output(p, "--out", args.out)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     size = TINY if args.tiny else FULL
     data = args.data or (str(SHAKESPEARE) if SHAKESPEARE.exists() else None)
     ds = CharDataset.from_text(load_text(data), size["seq_len"])
@@ -150,7 +158,7 @@ def main(argv=None) -> int:
                 r = measure(model, params, batch, precision, fixed)
                 rows.append({**r, "precision": precision, "batch": batch_name, "variant": variant})
     corpus = Path(data).name if data else "the default corpus (stdlib sources)"
-    write_report(args.out, report(rows, size, corpus, sys.argv[1:] if argv is None else argv))
+    harness.write_report(args.out, report(rows, size, corpus, args.argv))
     return 0
 
 

@@ -17,9 +17,6 @@ not show: `benchmarks/gpu_throughput.py`'s bf16-fused row measures that.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import shlex
 import statistics
 import sys
 import time
@@ -30,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import harness  # noqa: E402
 from jaxamp.lm.model import TransformerConfig, TransformerLM  # noqa: E402
 from jaxamp.lm.setup import make_policy  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "fused_loss.md"
+REPO = harness.REPO
+DEFAULT_OUT = harness.RESULTS / "fused_loss.md"
 FULL = dict(layers=2, heads=4, width=256, vocab=50304, seq_len=256, batch_size=8, chunks=(0, 256, 1024, 2048))
 TINY = dict(layers=1, heads=2, width=32, vocab=2048, seq_len=64, batch_size=4, chunks=(0, 64, 256))
 MIB = 2.0**20
@@ -81,6 +79,7 @@ def worst_leaf(grads, reference) -> str:
 
 
 def report(args, size: dict, rows: list[dict]) -> str:
+    """The markdown table: one row per chunk size."""
     grads32, rows = rows[0]["fp32"], rows[1:]
     ref = rows[0]
     n_tokens = size["batch_size"] * size["seq_len"]
@@ -88,18 +87,16 @@ def report(args, size: dict, rows: list[dict]) -> str:
     lines = [
         "# Fused head + cross-entropy (`loss_chunk`) against whole float32 logits, CPU",
         "",
-        f"- command: `python benchmarks/fused_loss.py {shlex.join(args.argv)}`",
-        f"- {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, jax {jax.__version__}, "
-        f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores; load average at the end "
-        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}",
+        f"- command: `{harness.command_line(__file__, args.argv)}`",
+        f"- {harness.now()}, {harness.machine(when='at the end')}",
         f"- model: {size['layers']} layers, {size['heads']} heads, width {size['width']}, vocab {size['vocab']}; "
         f"{size['batch_size']} x {size['seq_len']} = {n_tokens:,} tokens; bf16 compute (tables float32); the whole "
         f"f32[{n_tokens}, {size['vocab']}] logits are {logits_mib:,.1f} MiB",
         f"- value_and_grad of the mean loss, compiled once per row; time = median of {args.steps} calls",
         "",
-        "| loss_chunk (tokens) | temp MiB | temp / whole | seconds per call | loss | loss difference | "
-        "gradient: worst leaf's error against whole logits | gradient: worst leaf's error against float32 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *harness.table(["loss_chunk (tokens)", "temp MiB", "temp / whole", "seconds per call", "loss",
+                        "loss difference", "gradient: worst leaf's error against whole logits",
+                        "gradient: worst leaf's error against float32"]),
     ]
     for r in rows:
         ratio = "n/a" if r["temp"] is None or not ref["temp"] else f"{r['temp'] / ref['temp']:.2f}x"
@@ -112,6 +109,7 @@ def report(args, size: dict, rows: list[dict]) -> str:
 
 
 def parse_args(argv=None):
+    """The flags, checked (one-line usage errors)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="vocab 2048, width 32, 4 x 64 tokens: a test")
     p.add_argument("--steps", type=int, default=3, help="timed calls per row (median)")
@@ -121,6 +119,8 @@ def parse_args(argv=None):
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.steps <= 0:
         p.error(f"--steps must be > 0, got {args.steps}")
+    if args.out is not None:
+        harness.check_output(p, "--out", args.out)
     return args
 
 
@@ -128,11 +128,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     size = TINY if args.tiny else FULL
     text = report(args, size, measure(size, args.steps))
-    print(text, end="")
     out = args.out or (None if args.tiny else DEFAULT_OUT)
     if out:
-        Path(out).write_text(text)
-        print(f"wrote {out}")
+        harness.write_report(out, text)
+    else:
+        print(text, end="")
     return 0
 
 

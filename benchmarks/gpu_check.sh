@@ -3,7 +3,8 @@
 #
 #   benchmarks/gpu_check.sh --prepare          # on the CPU machine: wheels the GPU box lacks -> .gpu-wheels/
 #   benchmarks/gpu_check.sh [OUTDIR]           # on the GPU box (default OUTDIR: $OUT, else benchmarks/results/gpu_check)
-#   benchmarks/gpu_check.sh --dry-run [OUTDIR] # on a CPU: the same stages at --tiny sizes (CI runs this)
+#   benchmarks/gpu_check.sh --dry-run [OUTDIR] # on a CPU: the same stages at --tiny sizes (CI runs this); default
+#                                              # OUTDIR: a new temporary folder, never benchmarks/results/gpu_check
 #   JAXAMP_DATA=DIR benchmarks/gpu_check.sh    # throughput on real tokens: DIR holds nanoGPT's train.bin/val.bin
 #
 # Stages (timeouts in seconds; about 8 minutes in all on one H200):
@@ -37,7 +38,11 @@ fi
 
 DRY=0
 if [[ ${1:-} == --dry-run ]]; then DRY=1; shift; fi
-OUTDIR=${1:-${OUT:-$REPO/benchmarks/results/gpu_check}}
+if [[ $DRY == 1 ]]; then  # a rehearsal's tiny figures never overwrite the committed GPU results
+  OUTDIR=${1:-$(mktemp -d "${TMPDIR:-/tmp}/jaxamp-gpu-check-dry-run.XXXXXX")}
+else
+  OUTDIR=${1:-${OUT:-$REPO/benchmarks/results/gpu_check}}
+fi
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 
@@ -56,7 +61,7 @@ if [[ -n ${JAXAMP_DATA:-} ]]; then DATA=(--data "$JAXAMP_DATA"); fi
 status=0
 : >"$OUTDIR/check.log"
 stage() {  # stage NAME TIMEOUT_S COMMAND...: runs, logs to OUTDIR/check.log too, keeps the first failure's status
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$(($2 * TIMEOUT_SCALE)); shift 2
   echo "=== [$(date -u +%H:%M:%S)] $name (timeout ${limit}s): $*" | tee -a "$OUTDIR/check.log"
   timeout "$limit" "$@" 2>&1 | tee -a "$OUTDIR/check.log"
   local rc=${PIPESTATUS[0]}
@@ -65,7 +70,9 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...: runs, logs to OUTDIR/check.log too
 }
 
 TESTS=(-m gpu tests/test_gpu.py)
+TIMEOUT_SCALE=1  # the stages' timeouts are the GPU box's; a CPU rehearsal on a loaded shared machine gets 4x
 if [[ $DRY == 1 ]]; then
+  TIMEOUT_SCALE=4
   export JAXAMP_GPU_TESTS_ON_CPU=1 JAX_PLATFORMS=cpu
   TESTS+=(-k "not twenty")  # the 20-step precision comparison: the slowest on a CPU, and GPU numerics only
   SIZE=(--tiny --steps 1 --warmup 0)

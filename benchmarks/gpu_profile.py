@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_throughput as gt  # noqa: E402  (puts the repo on sys.path too)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from jaxamp.lm.cli import command_line  # noqa: E402
+from benchmarks import gpu_step as gs  # noqa: E402  (imports jax, starts no backend)
+from benchmarks import harness  # noqa: E402
 
 KINDS = (  # (kind, substrings of a kernel name, lower case); the first match wins
     ("cuDNN attention", ("fmha", "cudnn", "flash", "sdpa")),
@@ -34,6 +34,7 @@ KINDS = (  # (kind, substrings of a kernel name, lower case); the first match wi
 
 
 def kind_of(name: str) -> str:
+    """The kind of work of a kernel, by the first of `KINDS` whose substrings its name holds (else "other")."""
     low = name.lower()
     for kind, keys in KINDS:
         if any(k in low for k in keys):
@@ -67,10 +68,11 @@ def device_events(trace_dir: Path) -> tuple[str, list[tuple[str, float]], dict]:
 
 
 def profile(name: str, size: dict, warmup: int, steps: int, top: int) -> dict:
+    """Precision `name`'s step, traced over `steps` steps: kernel seconds per step by kind and the `top` kernels."""
     import jax
 
-    with gt.matmul_context(name):
-        step, state, batch, _ = gt.build(name, size)
+    with gs.matmul_context(name):
+        step, state, batch, _ = gs.build(name, size)
         for _ in range(warmup + 1):
             state, metrics = step(state, batch)
         jax.block_until_ready((state, metrics))
@@ -92,8 +94,9 @@ def profile(name: str, size: dict, warmup: int, steps: int, top: int) -> dict:
 
 
 def report(args, size: dict, results: list[dict]) -> str:
+    """One section per precision: kinds, top kernels, the plane's trace lines."""
     lines = ["# Where the step's device time goes (`jax.profiler` trace)", "",
-             f"- command: `{command_line()}`",
+             f"- command: `{harness.command_line(__file__, args.argv)}`",
              f"- model: {size['layers']} layers, width {size['width']}, seq {size['seq_len']}, vocab {size['vocab']}, "
              f"batch {size['batch_size']}; {args.steps} traced steps after {args.warmup + 1} untimed ones", ""]
     for r in results:
@@ -109,25 +112,30 @@ def report(args, size: dict, results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The flags, checked (one-line usage errors)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="gpu_throughput.py's --tiny sizes (a CPU test)")
-    p.add_argument("--precisions", nargs="+", choices=list(gt.PRECISIONS), default=["bf16", "fp16"])
-    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: gpu_throughput's)")
+    gs.add_size_flags(p, precisions="+")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the trace (default: 2)")
     p.add_argument("--steps", type=int, default=3, help="traced steps (default: 3)")
     p.add_argument("--top", type=int, default=25, help="kernels listed by name (default: 25)")
     p.add_argument("--out", required=True, help="markdown report to write")
     args = p.parse_args(argv)
-    size = dict(gt.TINY if args.tiny else gt.FULL)
-    if args.batch_size:
-        size["batch_size"] = args.batch_size
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    harness.check_sizes(p, args, ("steps",), ("warmup", "top"))
+    harness.check_output(p, "--out", args.out)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    size = gs.sizes(args.tiny, args.batch_size or None)
     results = []
     for name in args.precisions:
-        print(f"[{time.strftime('%H:%M:%S')}] profiling {name} ...", file=sys.stderr, flush=True)
+        harness.log(f"[{time.strftime('%H:%M:%S')}] profiling {name} ...")
         results.append(profile(name, size, args.warmup, args.steps, args.top))
-        Path(args.out).write_text(report(args, size, results), encoding="utf-8")  # partial results survive a cut
-    print(Path(args.out).read_text(encoding="utf-8"))
+        harness.write_report(args.out, report(args, size, results), echo=False)  # partial results survive a cut
+    harness.write_report(args.out, report(args, size, results))
     return 0
 
 

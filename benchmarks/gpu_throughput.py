@@ -39,12 +39,7 @@ there and run with `PYTHONPATH=deps`.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
-import os
-import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -54,186 +49,92 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from jaxamp.lm.cli import command_line  # noqa: E402
-from jaxamp.lm.presets import MODEL_PRESETS, PRESET_FIELDS  # noqa: E402  (imports jax, starts no backend)
+from benchmarks import harness  # noqa: E402
+from benchmarks.gpu_step import (  # noqa: E402  (imports jax, starts no backend)
+    PRECISIONS,
+    build,
+    custom_calls,
+    data_batches,
+    flops_per_token,
+    matmul_context,
+    peak_flops,
+    sizes,
+)
+from jaxamp.lm.presets import MODEL_PRESETS  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu_throughput.md"
-TINY_OUT = REPO / "benchmarks" / "results" / "gpu_throughput_tiny.md"  # --tiny never overwrites the real results
-FUSED_CHUNK = 4096  # tokens per block of the fused head + cross-entropy in the *-fused rows
-PRECISIONS = {  # name -> (jaxamp policy, dynamic loss scale?, matmul precision or None, peak-table key, loss_chunk)
-    "fp32-highest": ("fp32", False, "highest", "fp32", 0),
-    "fp32": ("fp32", False, None, "tf32", 0),
-    "bf16": ("bf16", False, None, "16bit", 0),
-    "bf16-fused": ("bf16", False, None, "16bit", FUSED_CHUNK),  # TransformerConfig.loss_chunk: no whole f32 logits
-    "fp16": ("fp16", True, None, "16bit", 0),
-    "fp8": ("fp8", False, None, "fp8", 0),
-}
-# Dense peak FLOP/s per device kind (substring of jax.devices()[0].device_kind): 16-bit tensor cores, TF32 tensor
-# cores (the default float32 matmul), true float32 (precision="highest"). Sparse figures are not used.
-PEAK_FLOPS = {
-    "H200": {"fp8": 1979e12, "16bit": 989e12, "tf32": 494e12, "fp32": 67e12},
-    "H100": {"fp8": 1979e12, "16bit": 989e12, "tf32": 494e12, "fp32": 67e12},
-    "A100": {"16bit": 312e12, "tf32": 156e12, "fp32": 19.5e12},  # no FP8 units
-}
-def preset_size(model: str, batch_size: int = 16) -> dict:
-    """Sizes of train_lm.py's --model preset (layers, heads, width, seq_len, vocab) and a batch size."""
-    preset = MODEL_PRESETS[model]
-    return {**{k: preset[k] for k in PRESET_FIELDS}, "vocab": preset["vocab_size"], "batch_size": batch_size}
-
-
-FULL = preset_size("gpt2-124m")  # 12 layers, 12 heads, width 768, seq 1024, vocab 50304, batch 16
-TINY = dict(layers=2, heads=4, width=64, seq_len=64, vocab=512, batch_size=4)
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-def peak_flops(device_kind: str, key: str) -> float | None:
-    """The dense peak FLOP/s of this device for a precision key, or None for an unknown device (CPU)."""
-    for name, table in PEAK_FLOPS.items():
-        if name.lower() in device_kind.lower():
-            return table.get(key)
-    return None
-
-
-def custom_calls(hlo_text: str) -> dict:
-    """Counts of the compiled step's custom calls that matter here: cuDNN fused attention, FP8 GEMMs, all GEMMs."""
-    targets = re.findall(r'custom_call_target="([^"]+)"', hlo_text)
-    return {"cudnn_attention": sum("fmha" in t for t in targets), "f8_gemm": sum("f8" in t for t in targets),
-            "gemm": sum("matmul" in t or "gemm" in t for t in targets)}
-
-
-def flops_per_token(n_params_no_pos: int, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
-    """nanoGPT's `estimate_mfu`: 6 N (forward + backward of the weights) + 12 L H Q T (attention scores)."""
-    return 6 * n_params_no_pos + 12 * layers * heads * head_dim * seq_len
+REPO = harness.REPO
+DEFAULT_OUT = harness.RESULTS / "gpu_throughput.md"
+TINY_OUT = harness.RESULTS / "gpu_throughput_tiny.md"  # --tiny never overwrites the real results
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # One precision, in this process.
 
-def build(name: str, size: dict):
-    """The jitted, donating jaxamp step of precision `name` and its first state and batch (on the default device).
 
-    Returns:
-      (step, state, batch, info): `step(state, batch) -> (state, metrics)`; batch = (inputs, targets), both
-      i32[batch, seq]; info = {"cfg", "n_params", "n_no_pos"}. Call it (and the step) inside `matmul_context(name)`.
-    """
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, train_step
-    from jaxamp.lm.model import TransformerConfig, TransformerLM, count_params
-    from jaxamp.lm.setup import lm_variables, make_policy
-    from jaxamp.precision import uses_fp8
-
-    policy_name, dynamic, _, _, loss_chunk = PRECISIONS[name]
-    policy = make_policy(policy_name)  # the experiment's: embedding tables float32 in the compute copy
-    cfg = TransformerConfig(vocab_size=size["vocab"], seq_len=size["seq_len"], num_layers=size["layers"],
-                            num_heads=size["heads"], width=size["width"], dropout=0.0, fp8=uses_fp8(policy),
-                            loss_chunk=loss_chunk)
-    model = TransformerLM(cfg)
-
-    def loss_fn(params, batch, rng):
-        del rng  # no dropout
-        inputs, targets = batch  # i32[batch, seq] each
-        return model.apply(lm_variables(params), inputs, targets, deterministic=True)  # f32[] mean cross-entropy
-
-    init_key, data_key, state_key = jax.random.split(jax.random.key(0), 3)
-    variables = jax.jit(model.init)(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))
-    params = variables if cfg.fp8 else variables["params"]  # FP8: its scales and amax histories ride along
-    n_params = count_params(variables["params"])
-    info = {"cfg": cfg, "n_params": n_params, "n_no_pos": n_params - int(variables["params"]["wpe"]["embedding"].size)}
-    tx = optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(learning_rate=6e-4, b1=0.9, b2=0.95, weight_decay=0.1))
-    loss_scale = DynamicLossScale(2.0**15) if dynamic else NoOpLossScale()
-    state = TrainState.create(params=params, tx=tx, policy=policy, loss_scale=loss_scale, rng=state_key)
-    tokens = jax.random.randint(data_key, (size["batch_size"], cfg.seq_len + 1), 0, cfg.vocab_size, jnp.int32)
-    batch = (tokens[:, :-1], tokens[:, 1:])  # i32[batch, seq] each
-    step = jax.jit(lambda s, b: train_step(s, b, loss_fn), donate_argnums=0)
-    return step, state, batch, info
+def _compile(step, state, batch, label: str) -> tuple[dict, dict]:
+    """AOT lowering and compile of the step: timings, compile events, custom calls and `memory_analysis()`."""
+    with harness.compile_events().attribute(label):
+        t0 = time.perf_counter()
+        lowered = step.lower(state, batch)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    memory = None if mem is None else {
+        k: int(getattr(mem, k + "_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+    if memory is not None and getattr(mem, "peak_memory_in_bytes", None):
+        memory["peak"] = int(mem.peak_memory_in_bytes)
+    info = {"lower_s": t1 - t0, "compile_s": t2 - t1, "aot_compiles": harness.compile_events().count(label),
+            "custom_calls": custom_calls(compiled.as_text()), "memory": memory}
+    return info, compiled
 
 
-def data_batches(size: dict, n: int) -> list:
-    """The training batches of steps 0 .. n-1 from `size["data"]`'s train.bin (seed 0), on the default device."""
+def _timed_steps(step, state, batches: list, warmup: int, label: str) -> tuple[object, dict]:
+    """`warmup` untimed then timed steps over `batches`, each followed by `block_until_ready`."""
     import jax
 
-    from jaxamp.lm.data import batch_at
-    from jaxamp.lm.token_files import open_token_dir
-
-    d = open_token_dir(size["data"], vocab_size=size["vocab"], seq_len=size["seq_len"])
-    return [jax.device_put(batch_at(d.train, seed=0, step=i, batch_size=size["batch_size"], seq_len=size["seq_len"],
-                                    vocab_size=d.vocab_size)) for i in range(n)]
-
-
-def matmul_context(name: str):
-    """`jax.default_matmul_precision` of precision `name` (a null context for the default precision)."""
-    import jax
-
-    matmul_precision = PRECISIONS[name][2]
-    return jax.default_matmul_precision(matmul_precision) if matmul_precision else contextlib.nullcontext()
+    times, losses, skipped = [], [], 0
+    with harness.compile_events().attribute(label):
+        for i, batch in enumerate(batches):
+            t = time.perf_counter()
+            state, metrics = step(state, batch)
+            jax.block_until_ready((state, metrics))
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+            losses.append(float(metrics["loss"]))
+            skipped += not bool(metrics["grads_finite"])
+    return state, {"times": times, "first_loss": losses[0], "last_loss": losses[-1], "skipped": skipped,
+                   "step_compiles": harness.compile_events().count(label)}
 
 
 def run_precision(name: str, size: dict, warmup: int, steps: int) -> dict:
     """Builds the model and a jaxamp train state for `name`, compiles, times the steps; returns a JSON-ready dict."""
     import jax
 
-    peak_key = PRECISIONS[name][3]
-    compiles = [0]
-
-    def on_event(event: str, duration: float, **kwargs) -> None:
-        del duration, kwargs
-        if event == COMPILE_EVENT:
-            compiles[0] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(on_event)
     device = jax.devices()[0]
     with matmul_context(name):
         step, state, batch, info = build(name, size)
-        cfg, n_params, n_no_pos = info["cfg"], info["n_params"], info["n_no_pos"]
-
-        compiles[0] = 0
-        t0 = time.perf_counter()
-        lowered = step.lower(state, batch)
-        t1 = time.perf_counter()
-        compiled = lowered.compile()
-        t2 = time.perf_counter()
-        calls = custom_calls(compiled.as_text())
-        mem = compiled.memory_analysis()
-        memory = None if mem is None else {
-            k: int(getattr(mem, k + "_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
-        if memory is not None and getattr(mem, "peak_memory_in_bytes", None):
-            memory["peak"] = int(mem.peak_memory_in_bytes)
-        aot_compiles = compiles[0]
-
-        compiles[0] = 0
-        times, losses, skipped = [], [], 0
+        aot, _ = _compile(step, state, batch, f"{name}/aot")
         batches = data_batches(size, warmup + steps) if size.get("data") else [batch] * (warmup + steps)
-        for i in range(warmup + steps):
-            t = time.perf_counter()
-            state, metrics = step(state, batches[i])
-            jax.block_until_ready((state, metrics))
-            if i >= warmup:
-                times.append(time.perf_counter() - t)
-            losses.append(float(metrics["loss"]))
-            skipped += not bool(metrics["grads_finite"])
-        step_compiles = compiles[0]
-
+        state, timed = _timed_steps(step, state, batches, warmup, f"{name}/steps")
+    cfg, times = info["cfg"], timed.pop("times")
     stats = device.memory_stats() or {}
     step_s = statistics.median(times)
     tokens_per_step = size["batch_size"] * cfg.seq_len
-    fpt = flops_per_token(n_no_pos, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.seq_len)
-    peak = peak_flops(device.device_kind, peak_key)
+    fpt = flops_per_token(info["n_no_pos"], cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.seq_len)
+    peak, peak16 = peak_flops(device.device_kind, PRECISIONS[name][3]), peak_flops(device.device_kind, "16bit")
     return {
         "precision": name, "device_kind": device.device_kind, "platform": device.platform,
-        "jax_version": jax.__version__, "n_params": n_params, "n_params_no_pos": n_no_pos,
+        "jax_version": jax.__version__, "n_params": info["n_params"], "n_params_no_pos": info["n_no_pos"],
         "flops_per_token": fpt, "tokens_per_step": tokens_per_step,
         "step_s": step_s, "step_s_min": min(times), "step_s_max": max(times), "tokens_per_s": tokens_per_step / step_s,
         "mfu": None if peak is None else tokens_per_step / step_s * fpt / peak, "peak_flops": peak,
-        "mfu_16bit": None if peak_flops(device.device_kind, "16bit") is None
-        else tokens_per_step / step_s * fpt / peak_flops(device.device_kind, "16bit"), "custom_calls": calls,
+        "mfu_16bit": None if peak16 is None else tokens_per_step / step_s * fpt / peak16,
+        "custom_calls": aot["custom_calls"],
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "bytes_limit": stats.get("bytes_limit"),
-        "lower_s": t1 - t0, "compile_s": t2 - t1, "aot_compiles": aot_compiles, "step_compiles": step_compiles,
-        "memory": memory, "first_loss": losses[0], "last_loss": losses[-1], "skipped": skipped,
+        "lower_s": aot["lower_s"], "compile_s": aot["compile_s"], "aot_compiles": aot["aot_compiles"],
+        "step_compiles": timed["step_compiles"], "memory": aot["memory"], "first_loss": timed["first_loss"],
+        "last_loss": timed["last_loss"], "skipped": timed["skipped"],
         "final_loss_scale": float(state.loss_scale.loss_scale), "timed_steps": len(times),
     }
 
@@ -241,23 +142,16 @@ def run_precision(name: str, size: dict, warmup: int, steps: int) -> dict:
 # --------------------------------------------------------------------------------------------------------------------
 # Report.
 
-def _mib(x) -> str:
-    return "n/a" if x is None else f"{x / 2**20:,.1f}"
 
-
-def report(args, size: dict, results: dict, argv=None) -> str:
-    done = [r for r in results.values() if "error" not in r]
-    first = done[0] if done else {}
-    device_kind = first.get("device_kind", "n/a")
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+def _header(args, size: dict, first: dict, argv) -> list[str]:
     head_dim = size["width"] // size["heads"]
     lines = [
         "# jaxamp training throughput" + (" (--tiny, CPU smoke test)" if args.tiny else ""),
         "",
-        f"- command: `{command_line(argv)}`",
-        f"- device: {device_kind} ({first.get('platform', 'n/a')}); jax {first.get('jax_version', 'n/a')}; "
-        f"host {platform.platform()}, os.cpu_count()={os.cpu_count()}",
-        f"- date: {date}",
+        f"- command: `{harness.command_line(__file__, argv)}`",
+        f"- device: {first.get('device_kind', 'n/a')} ({first.get('platform', 'n/a')}); host "
+        f"{harness.machine(backend=False)}",
+        f"- date: {harness.now()}",
         f"- model: {'--tiny' if args.tiny else args.model}: {size['layers']} layers, {size['heads']} heads, width "
         f"{size['width']} (head dim {head_dim}), "
         f"seq {size['seq_len']}, vocab {size['vocab']}, batch {size['batch_size']} "
@@ -275,15 +169,14 @@ def report(args, size: dict, results: dict, argv=None) -> str:
     ]
     if first.get("platform") == "cpu":
         lines.append("- CPU timings on a shared 2-core machine with other jobs running; XLA:CPU upcasts "
-                     "float16/bfloat16 "
-                     "dots to float32, so these figures test the script, not the precisions.")
-    lines += [
-        "",
-        "| precision | step ms (median) | step ms min-max | tokens/s | MFU | peak bytes in use MiB | lower s | "
-        "compile s | compiles in steps | loss first -> last | skipped steps | final loss scale | "
-        "cuDNN attention / FP8 GEMM / GEMM calls |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+                     "float16/bfloat16 dots to float32, so these figures test the script, not the precisions.")
+    return lines + [""]
+
+
+def _main_rows(results: dict) -> list[str]:
+    lines = harness.table(["precision", "step ms (median)", "step ms min-max", "tokens/s", "MFU",
+                           "peak bytes in use MiB", "lower s", "compile s", "compiles in steps", "loss first -> last",
+                           "skipped steps", "final loss scale", "cuDNN attention / FP8 GEMM / GEMM calls"])
     for name in PRECISIONS:
         r = results.get(name)
         if r is None:
@@ -297,19 +190,24 @@ def report(args, size: dict, results: dict, argv=None) -> str:
         calls = r.get("custom_calls") or {}
         lines.append(
             f"| {name} | {r['step_s'] * 1e3:,.1f} | {r['step_s_min'] * 1e3:,.1f}-{r['step_s_max'] * 1e3:,.1f} | "
-            f"{r['tokens_per_s']:,.0f} | {mfu} | {_mib(r['peak_bytes_in_use'])} | {r['lower_s']:.2f} | "
+            f"{r['tokens_per_s']:,.0f} | {mfu} | {harness.mib(r['peak_bytes_in_use'])} | {r['lower_s']:.2f} | "
             f"{r['compile_s']:.2f} | {r['step_compiles']} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | "
             f"{r['skipped']} | {r['final_loss_scale']:g} | {calls.get('cudnn_attention', 'n/a')} / "
             f"{calls.get('f8_gemm', 'n/a')} / {calls.get('gemm', 'n/a')} |")
-    lines += [
+    return lines
+
+
+def _memory_rows(args, results: dict, done: list) -> list[str]:
+    mib = harness.mib
+    lines = [
         "",
         "## Memory: the compiled step's `memory_analysis()`",
         "",
         "Argument = state + batch in; output = new state + metrics; alias = bytes of donated inputs reused for "
         "outputs; temp = activations and other scratch. Live at peak is about argument + output - alias + temp.",
         "",
-        "| precision | argument MiB | output MiB | alias MiB | temp MiB | argument + output - alias + temp MiB |",
-        "| --- | --- | --- | --- | --- | --- |",
+        *harness.table(["precision", "argument MiB", "output MiB", "alias MiB", "temp MiB",
+                        "argument + output - alias + temp MiB"]),
     ]
     for name in PRECISIONS:
         r = results.get(name)
@@ -320,16 +218,25 @@ def report(args, size: dict, results: dict, argv=None) -> str:
             lines.append(f"| {name} | n/a | n/a | n/a | n/a | n/a |")
             continue
         total = m["argument"] + m["output"] - m["alias"] + m["temp"]
-        lines.append(f"| {name} | {_mib(m['argument'])} | {_mib(m['output'])} | {_mib(m['alias'])} | "
-                     f"{_mib(m['temp'])} | {_mib(total)} |")
+        lines.append(f"| {name} | {mib(m['argument'])} | {mib(m['output'])} | {mib(m['alias'])} | "
+                     f"{mib(m['temp'])} | {mib(total)} |")
     if not args.isolate and any(r.get("peak_bytes_in_use") is not None for r in done):
         lines += ["", "peak bytes in use is the process's high-water mark so far (all precisions in one process)."]
+    return lines
+
+
+def report(args, size: dict, results: dict, argv=None) -> str:
+    """The markdown tables of the precisions finished so far (`results`: name -> run_precision's dict or error)."""
+    done = [r for r in results.values() if "error" not in r]
+    lines = [*_header(args, size, done[0] if done else {}, argv), *_main_rows(results),
+             *_memory_rows(args, results, done)]
     return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
+    """The flags, checked (one-line usage errors); `--data` is opened now, not after a compile."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="2 layers, width 64, seq 64, vocab 512, batch 4: a CPU test")
     p.add_argument("--steps", type=int, default=None, help="timed steps per precision (default: 10, --tiny: 3)")
@@ -369,9 +276,7 @@ def parse_args(argv=None):
 
 def _size(args, data: bool = True) -> dict:
     """The model and batch sizes of `args`; with --data, its vocabulary and path too."""
-    size = dict(TINY) if args.tiny else preset_size(args.model)
-    if args.batch_size is not None:
-        size["batch_size"] = args.batch_size
+    size = sizes(args.tiny, args.batch_size, args.model)
     if data and args.data is not None:
         size.update(vocab=args.data_vocab, data=str(args.data))
     return size
@@ -392,36 +297,32 @@ def _child(args, name: str, argv) -> dict:
         return {"error": f"exit {proc.returncode}: {msg[:200]}".replace("|", "/")}
 
 
+def _one(name: str, args, size: dict, argv) -> dict:
+    """One precision's result: in a subprocess with `--isolate`, else here (a failure recorded, not raised)."""
+    if args.isolate:
+        return _child(args, name, argv)
+    try:
+        return run_precision(name, size, args.warmup, args.steps)
+    except Exception as err:  # noqa: BLE001 - record the failure (e.g. out of memory), go on
+        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}".replace("|", "/")}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     size = _size(args)
     if args.only:  # child mode
-        result = run_precision(args.only, size, args.warmup, args.steps)
-        Path(args.result_json).write_text(json.dumps(result))
+        Path(args.result_json).write_text(json.dumps(run_precision(args.only, size, args.warmup, args.steps)))
         return 0
-
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    results, failed = {}, False
+    results = {}
     for name in args.precisions:
-        print(f"[{time.strftime('%H:%M:%S')}] {name} ...", file=sys.stderr, flush=True)
-        if args.isolate:
-            results[name] = _child(args, name, argv)
-        else:
-            try:
-                results[name] = run_precision(name, size, args.warmup, args.steps)
-            except Exception as err:  # noqa: BLE001 - record the failure (e.g. out of memory), go on
-                results[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}".replace("|", "/")}
-        failed |= "error" in results[name]
-        out.write_text(report(args, size, results, argv), encoding="utf-8")  # partial results survive a cut
+        harness.log(f"[{time.strftime('%H:%M:%S')}] {name} ...")
+        results[name] = _one(name, args, size, argv)
+        harness.write_report(args.out, report(args, size, results, argv), echo=False)  # partial results survive a cut
         if args.json:
-            Path(args.json).write_text(json.dumps({"command": command_line(argv), "size": size, "results": results},
-                                                  indent=1), encoding="utf-8")
-    table = report(args, size, results, argv)
-    out.write_text(table, encoding="utf-8")
-    print(table, end="")
-    print(f"wrote {out}")
-    return 1 if failed else 0
+            harness.write_json(args.json, {"command": harness.command_line(__file__, argv), "size": size,
+                                           "results": results})
+    harness.write_report(args.out, report(args, size, results, argv))
+    return 1 if any("error" in r for r in results.values()) else 0
 
 
 if __name__ == "__main__":

@@ -23,10 +23,8 @@ a time. Writes the table to benchmarks/results/memmap_rss.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -35,11 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from jaxamp.lm.cli import check_output, check_sizes, write_report  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "memmap_rss.md"
-TINY_OUT = REPO / "benchmarks" / "results" / "memmap_rss_tiny.md"  # --tiny never overwrites the real results
+REPO = harness.REPO
+DEFAULT_OUT = harness.RESULTS / "memmap_rss.md"
+TINY_OUT = harness.RESULTS / "memmap_rss_tiny.md"  # --tiny never overwrites the real results
 READERS = ("trainer", "one memmap", "np.fromfile")
 VOCAB = 50304  # ids below GPT-2's padded vocabulary
 _WRITE_CHUNK = 32 * 2**20  # ids generated and written per chunk (64 MiB)
@@ -73,6 +71,7 @@ def child(directory: Path, steps: int, batch_size: int, seq_len: int, eval_batch
 
 
 def _one_reader(directory: Path, reader: str, steps: int, batch_size: int, seq_len: int, eval_batches_n: int):
+    """One reader's open time, ms per batch and peak RSS increase (MiB) in this process."""
     import numpy as np
 
     from jaxamp.lm.data import batch_at, eval_batches
@@ -114,13 +113,12 @@ def measure(directory: Path, args) -> list[dict]:
 
 
 def report(args, rows: list[dict], argv) -> str:
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    """The markdown table: one row per size and reader, then the trainer's growth line."""
     lines = [
         "# Peak resident memory of nanoGPT token files read by memmap" + (" (--tiny)" if args.tiny else ""),
         "",
-        f"- command: `python benchmarks/memmap_rss.py {' '.join(argv)}`",
-        f"- machine: {platform.platform()}, os.cpu_count()={os.cpu_count()}, Python {platform.python_version()}; "
-        f"date: {date}",
+        f"- command: `{harness.command_line(__file__, argv)}`",
+        f"- machine: {harness.machine(backend=False)}; date: {harness.now()}",
         f"- per reader: checksum and vocabulary check of train.bin and val.bin, {args.eval_batches} validation "
         f"batches, {args.steps} training batches of {args.batch_size} x {args.seq_len} tokens (seed 0); one fresh "
         "process per size; peak RSS increase = VmHWM after (peak reset before) - VmRSS before",
@@ -132,8 +130,8 @@ def report(args, rows: list[dict], argv) -> str:
         "- a touched window maps its whole page-cache folio (4 KiB, or up to 2 MiB with large folios), so a batch "
         "costs the trainer at most 8 folios at a time, whatever the file's size",
         "",
-        "| train.bin MiB | tokens | reader | open + checksum (+ load) s | ms per batch | peak RSS increase MiB |",
-        "| --- | --- | --- | --- | --- | --- |",
+        *harness.table(["train.bin MiB", "tokens", "reader", "open + checksum (+ load) s", "ms per batch",
+                        "peak RSS increase MiB"]),
     ]
     for r in rows:
         lines.append(f"| {r['mib']:,} | {r['tokens']:,} | {r['reader']} | {r['open_s']:.3f} | {r['batch_ms']:.3f} | "
@@ -149,6 +147,7 @@ def report(args, rows: list[dict], argv) -> str:
 
 
 def parse_args(argv=None):
+    """The flags, checked (one-line usage errors); `--tiny` fills in the small sizes."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="16 and 128 MiB, 20 batches of 4 x 256: a quick test")
     p.add_argument("--sizes-mib", type=int, nargs="+", default=None, help="train.bin sizes (default 64 256 1024)")
@@ -167,10 +166,10 @@ def parse_args(argv=None):
     args.batch_size = args.batch_size or (4 if args.tiny else 12)
     args.seq_len = args.seq_len or (256 if args.tiny else 1024)
     args.out = args.out or str(TINY_OUT if args.tiny else DEFAULT_OUT)
-    check_sizes(p, args, ("steps", "batch_size", "seq_len", "eval_batches"))
+    harness.check_sizes(p, args, ("steps", "batch_size", "seq_len", "eval_batches"))
     if min(args.sizes_mib) < 1:
         p.error("--sizes-mib must be >= 1")
-    check_output(p, "--out", args.out)
+    harness.check_output(p, "--out", args.out)
     if args.tmp_dir is not None and not Path(args.tmp_dir).is_dir():
         p.error(f"--tmp-dir {args.tmp_dir} is not a directory")
     return args
@@ -193,7 +192,7 @@ def main(argv=None) -> int:
             checksums = {r["checksum"] for r in rows if r["mib"] == mib}
             if len(checksums) != 1:
                 raise RuntimeError(f"the readers gathered different batches on {mib} MiB: {checksums}")
-    write_report(args.out, report(args, rows, argv))
+    harness.write_report(args.out, report(args, rows, argv))
     return 0
 
 

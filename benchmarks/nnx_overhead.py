@@ -27,30 +27,24 @@ Two measurements, each interleaved in one process (round-robin, the starting var
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
-import overhead  # noqa: E402  (benchmarks/overhead.py: variant (a), machine and command lines)
 from flax import nnx  # noqa: E402
 
+from benchmarks import harness, overhead  # noqa: E402  (overhead: variant (a), the LM and batches, windows)
 from jaxamp import DynamicLossScale, get_policy  # noqa: E402
-from jaxamp.lm.cli import check_output, check_sizes, command_line  # noqa: E402
-from jaxamp.lm.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
+from jaxamp.lm.model import TransformerConfig, count_params, cross_entropy_loss  # noqa: E402
 from jaxamp.nnx import Optimizer, train_step  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "nnx_overhead.md"
+DEFAULT_OUT = harness.RESULTS / "nnx_overhead.md"
 VARIANTS = {
     "a": "jaxamp.train_step (functional), fp16 + DynamicLossScale, state donated",
     "f": "jaxamp.nnx.train_step under nnx.jit, model and opt donated",
@@ -64,7 +58,7 @@ def make_nnx_variant(name: str, model, params, tx, counter: list):
     """(f), (g), (h) as `(step, carry, call)` like `overhead.make_variant`: the LM as an NNX module, (a)'s weights."""
     module = nnx.bridge.ToNNX(model, rngs=nnx.Rngs(0))
     nnx.bridge.lazy_init(module, jnp.zeros((1, model.config.seq_len), jnp.int32))
-    nnx.update(module, overhead._copy(params))  # pylint: disable=protected-access  # ToNNX keeps linen's names
+    nnx.update(module, harness.copy_tree(params))  # ToNNX keeps linen's names
     opt = Optimizer(module, tx, policy=get_policy("fp16"), loss_scale=DynamicLossScale(overhead.INIT_SCALE))
 
     def loss_fn(m, batch):  # overhead.py's loss (dropout is 0 there)
@@ -81,56 +75,18 @@ def make_nnx_variant(name: str, model, params, tx, counter: list):
     return nnx.cached_partial(jitted, module, opt), (module, opt), lambda f, carry, batch: (f(batch), carry)[1]
 
 
-def _variant(name, model, params, tx, counter):
-    return (overhead.make_variant if name == "a" else make_nnx_variant)(name, model, params, tx, counter)
-
-
-def _setup(layers: int, heads: int, width: int, seq_len: int, batch_size: int, vocab: int):
-    cfg = TransformerConfig(vocab_size=vocab, seq_len=seq_len, num_layers=layers, num_heads=heads, width=width,
-                            dropout=0.0)
-    model = TransformerLM(cfg)
-    params = model.init(jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32))["params"]
-    rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(8):
-        tokens = rng.integers(0, vocab, size=(batch_size, seq_len + 1), dtype=np.int32)
-        batches.append((jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])))
-    return cfg, model, params, batches
-
-
 def interleave(model, params, batches, *, rounds: int, steps: int, warmup: int, count_events: bool) -> dict:
     """Builds every variant, runs its first call and `warmup` steps, then `rounds` interleaved timed rounds.
 
-    Returns `{"per_round": {n: [s/step, ...]}, "first_call": {n: s}, "traces": {n: int}, "carries": {n: carry},
-    "steps": {n: callable}}`; with `count_events`, XLA compile events are attributed to the variants
-    (`overhead._event_count`).
+    Returns `{"per_round": {n: [s/step, ...]}, "first_call": {n: s}, "traces": {n: int}, "windows": {n: window}}`;
+    with `count_events`, XLA compile events are attributed to the variants (`harness.compile_events()`).
     """
     tx = optax.adamw(learning_rate=1e-3, weight_decay=0.1)
-    names = list(VARIANTS)
-    traces = {n: [0] for n in names}
-    built, carries, first_call = {}, {}, {}
-    for n in names:
-        step, carry, call = _variant(n, model, params, tx, traces[n])
-        overhead._current["variant"] = n if count_events else None  # pylint: disable=protected-access
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(call(step, carry, batches[0]))
-        first_call[n] = time.perf_counter() - t0
-        for i in range(warmup):
-            carry = call(step, carry, batches[(i + 1) % len(batches)])
-        carries[n] = jax.block_until_ready(carry)
-        overhead._current["variant"] = None  # pylint: disable=protected-access
-        built[n] = (step, call)
-    per_round = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            step, call = built[n]
-            carry, t0 = carries[n], time.perf_counter()
-            for i in range(steps):
-                carry = call(step, carry, batches[i % len(batches)])
-            carries[n] = jax.block_until_ready(carry)
-            per_round[n].append((time.perf_counter() - t0) / steps)
-    return {"per_round": per_round, "first_call": first_call, "traces": {n: traces[n][0] for n in names},
-            "carries": carries, "steps": {n: built[n][0] for n in names}}
+    traces = {n: [0] for n in VARIANTS}
+    windows = {n: overhead.Window(n, (overhead.make_variant if n == "a" else make_nnx_variant)(
+        n, model, params, tx, traces[n]), batches, count_events) for n in VARIANTS}
+    res = overhead.run_interleaved(windows, rounds=rounds, steps=steps, warmup=warmup)
+    return {**res, "traces": {n: traces[n][0] for n in VARIANTS}, "windows": windows}
 
 
 def _cost(step, *args) -> dict:
@@ -147,48 +103,52 @@ def _scale(name: str, carry) -> float:
     return float(opt.train_state(model).loss_scale.loss_scale)
 
 
+def _probe(args) -> dict | None:
+    """The Python-side cost: median seconds per step of each variant at `--probe-width`, seq 8, batch 1."""
+    if not args.probe_rounds:
+        return None
+    _, model, params, batches = overhead.setup(args.layers, args.heads, args.probe_width, 8, 1, args.vocab)
+    probe = interleave(model, params, batches, rounds=args.probe_rounds, steps=args.probe_steps, warmup=args.warmup,
+                       count_events=False)
+    return {n: statistics.median(v) for n, v in probe["per_round"].items()}
+
+
 def run(args) -> dict:
-    machine = overhead._machine()  # pylint: disable=protected-access  # before this process adds load
-    cfg, model, params, batches = _setup(args.layers, args.heads, args.width, args.seq_len, args.batch_size,
-                                         args.vocab)
+    """Both measurements; the report's input."""
+    machine = harness.machine(when="at start")  # before this process adds load
+    cfg, model, params, batches = overhead.setup(args.layers, args.heads, args.width, args.seq_len, args.batch_size,
+                                                 args.vocab)
     ref = interleave(model, params, batches, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
                      count_events=True)
-    cost = {"a": _cost(ref["steps"]["a"], *ref["carries"]["a"], batches[0]),
-            "nnx": _cost(ref["steps"]["f"], *ref["carries"]["f"], batches[0])}
-    probe = None
-    if args.probe_rounds:
-        _, p_model, p_params, p_batches = _setup(args.layers, args.heads, args.probe_width, 8, 1, args.vocab)
-        probe = interleave(p_model, p_params, p_batches, rounds=args.probe_rounds, steps=args.probe_steps,
-                           warmup=args.warmup, count_events=False)
-        probe = {n: statistics.median(v) for n, v in probe["per_round"].items()}
+    w = ref["windows"]
+    cost = {"a": _cost(w["a"].step, *w["a"].carry, batches[0]), "nnx": _cost(w["f"].step, *w["f"].carry, batches[0])}
     return {
         "machine": machine, "cfg": cfg, "n_params": count_params(params), "cost": cost,
         "median": {n: statistics.median(v) for n, v in ref["per_round"].items()},
         "per_round": ref["per_round"], "first_call": ref["first_call"], "traces": ref["traces"],
-        "compiles": {n: overhead._event_count.get((n, "compile"), 0) for n in VARIANTS},  # pylint: disable=protected-access
-        "probe": probe,
-        "n_variables": len(jax.tree.leaves(nnx.state(ref["carries"]["g"]))),
-        "skipped": {n: _scale(n, ref["carries"][n]) != overhead.INIT_SCALE for n in VARIANTS},
+        "compiles": {n: harness.compile_events().count(n) for n in VARIANTS},
+        "probe": _probe(args),
+        "n_variables": len(jax.tree.leaves(nnx.state(w["g"].carry))),
+        "skipped": {n: _scale(n, w[n].carry) != overhead.INIT_SCALE for n in VARIANTS},
     }
 
 
 def _paired(res, x: str) -> tuple[float, float, float]:
     """Median and 25th-75th percentile of the per-round ratios x/(a)."""
-    ratios = [a / b for a, b in zip(res["per_round"][x], res["per_round"]["a"])]
+    ratios = harness.paired_ratios(res["per_round"][x], res["per_round"]["a"])
     lo, mid, hi = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
     return mid, lo, hi
 
 
-def report(args, res, argv=None) -> str:
-    cfg, tokens, med = res["cfg"], args.batch_size * args.seq_len, res["median"]
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    ca, cn = res["cost"]["a"], res["cost"]["nnx"]
-    lines = [
+def _header(args, res, argv) -> list[str]:
+    cfg: TransformerConfig = res["cfg"]
+    tokens = args.batch_size * args.seq_len
+    return [
         "# Flax NNX step overhead on CPU",
         "",
-        f"- command: `{command_line(argv)}`",
+        f"- command: `{harness.command_line(__file__, argv)}`",
         f"- machine: {res['machine']}",
-        f"- date: {date}",
+        f"- date: {harness.now()}",
         f"- model: {cfg.num_layers} layers, {cfg.num_heads} heads, width {cfg.width}, seq {cfg.seq_len}, vocab "
         f"{cfg.vocab_size}, batch {args.batch_size} ({tokens} tokens/step), {res['n_params']:,} params; the NNX "
         f"model and optimizer hold {res['n_variables']} variables; optax.adamw; fp16 + DynamicLossScale",
@@ -196,18 +156,22 @@ def report(args, res, argv=None) -> str:
         f"after a first call and {args.warmup} warmup steps",
         "- CPU timings on a shared 2-core machine with other jobs running: differences of a few % are within noise.",
         "",
-        "## At the reference size",
-        "",
-        "| variant | median ms/step | tokens/s (median) | first call s | traces in run | XLA compiles in run | "
-        "vs (a): of medians | vs (a): per-round paired, median (25th-75th pct) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+
+def _reference_section(args, res) -> list[str]:
+    tokens, med = args.batch_size * args.seq_len, res["median"]
+    ca, cn = res["cost"]["a"], res["cost"]["nnx"]
+    lines = ["## At the reference size", "",
+             *harness.table(["variant", "median ms/step", "tokens/s (median)", "first call s", "traces in run",
+                             "XLA compiles in run", "vs (a): of medians",
+                             "vs (a): per-round paired, median (25th-75th pct)"])]
     for n, desc in VARIANTS.items():
         mid, lo, hi = _paired(res, n)
         lines.append(f"| ({n}) {desc} | {med[n] * 1e3:.2f} | {tokens / med[n]:,.0f} | {res['first_call'][n]:.2f} | "
                      f"{res['traces'][n]} | {res['compiles'][n]} | **{med[n] / med['a']:.3f}x** | "
                      f"{mid:.3f}x ({lo:.3f}-{hi:.3f}) |")
-    lines += [
+    return lines + [
         "",
         f"XLA's cost model of the lowered step (before optimization): (a) {ca['bytes'] / 1e6:.1f} MB accessed, "
         f"{ca['flops'] / 1e9:.3f} "
@@ -216,22 +180,23 @@ def report(args, res, argv=None) -> str:
         "it as well. Overflowed (skipped) steps: "
         + ", ".join(f"({n}) {'some' if res['skipped'][n] else 0}" for n in VARIANTS) + ".",
         "",
-        f"## Python-side cost per step (width {args.probe_width}, seq 8, batch 1: the same variables, little compute)",
-        "",
     ]
+
+
+def _probe_section(args, res) -> list[str]:
+    med = res["median"]
+    lines = [f"## Python-side cost per step (width {args.probe_width}, seq 8, batch 1: the same variables, little "
+             "compute)", ""]
     if res["probe"] is None:
-        return "\n".join(lines + ["Not measured (`--probe-rounds 0`)."]) + "\n"
-    lines += [
-        "| variant | median ms/step | extra ms/step over (a) | extra / (a)'s reference step | implied ratio at the "
-        "reference size |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+        return lines + ["Not measured (`--probe-rounds 0`)."]
+    lines += harness.table(["variant", "median ms/step", "extra ms/step over (a)", "extra / (a)'s reference step",
+                            "implied ratio at the reference size"])
     for n, desc in VARIANTS.items():
         extra = res["probe"][n] - res["probe"]["a"]
         lines.append(f"| ({n}) {desc} | {res['probe'][n] * 1e3:.2f} | {extra * 1e3:+.2f} | "
                      f"{extra / med['a']:+.1%} | {1 + extra / med['a']:.3f}x |")
     g_extra = (res["probe"]["g"] - res["probe"]["a"]) / med["a"]
-    lines += [
+    return lines + [
         "",
         f"Goal: at most {GOAL:.2f}x (a). The direct call (g) adds {g_extra:+.1%} of (a)'s reference step in Python "
         f"({'within' if 1 + g_extra <= GOAL else 'over'} the goal); measured end to end at the reference size it "
@@ -239,20 +204,17 @@ def report(args, res, argv=None) -> str:
         "`nnx.jit` in graph mode (f) traverses the model's and the optimizer's graph on every call; "
         "`nnx.cached_partial` (h) caches that traversal.",
     ]
-    return "\n".join(lines) + "\n"
+
+
+def report(args, res, argv=None) -> str:
+    """The markdown report of `run`'s results."""
+    return "\n".join([*_header(args, res, argv), *_reference_section(args, res), *_probe_section(args, res)]) + "\n"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=5, help="steps per variant per round (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=60, help="interleaved rounds (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant after the first call "
-                   "(default: %(default)s)")
-    p.add_argument("--layers", type=int, default=4, help="Transformer blocks (default: %(default)s)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
-    p.add_argument("--width", type=int, default=128, help="model width (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=12, help="sequences per step (default: %(default)s)")
+    harness.add_timing_flags(p, rounds=60, steps=5, warmup=3, first_call_included=False)
+    harness.add_model_flags(p)
     p.add_argument("--vocab", type=int, default=65, help="vocabulary size (default: %(default)s)")
     p.add_argument("--probe-width", type=int, default=16, help="width of the Python-cost probe (default: "
                    "%(default)s)")
@@ -262,22 +224,17 @@ def parse_args(argv=None):
                    "%(default)s)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown file to write (default: %(default)s)")
     args = p.parse_args(argv)
-    check_sizes(p, args, ("steps", "rounds", "layers", "heads", "width", "seq_len", "batch_size", "vocab",
-                          "probe_width", "probe_steps"), ("warmup", "probe_rounds"))
+    harness.check_sizes(p, args, ("steps", "rounds", "layers", "heads", "width", "seq_len", "batch_size", "vocab",
+                                  "probe_width", "probe_steps"), ("warmup", "probe_rounds"))
     if args.probe_width % args.heads:
         p.error(f"--heads ({args.heads}) must divide --probe-width ({args.probe_width})")
-    check_output(p, "--out", args.out)
+    harness.check_output(p, "--out", args.out)
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    table = report(args, run(args), argv)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table, encoding="utf-8")
-    print(table, end="")
-    print(f"wrote {out}")
+    harness.write_report(args.out, report(args, run(args), argv))
     return 0
 
 

@@ -27,13 +27,9 @@ the bookkeeping jaxamp adds (loss-scale state, finite check, select, metrics) re
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import os
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -45,12 +41,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax.training.dynamic_scale import DynamicScale  # noqa: E402
 
+from benchmarks import harness  # noqa: E402
 from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step  # noqa: E402
-from jaxamp.lm.cli import check_output, check_sizes, command_line  # noqa: E402
 from jaxamp.lm.model import TransformerConfig, TransformerLM, count_params, cross_entropy_loss  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "overhead.md"
+DEFAULT_OUT = harness.RESULTS / "overhead.md"
 INIT_SCALE = 2.0**15
 VARIANTS = {
     "a": "jaxamp train_step, fp16 + DynamicLossScale",
@@ -59,27 +54,7 @@ VARIANTS = {
     "d": "jaxamp train_step, fp32 + NoOpLossScale",
     "e": "plain optax step, fp32",
 }
-
-# --------------------------------------------------------------------------------------------------------------------
-# Compile-event accounting: trace, lowering and XLA backend compile events (with their durations) are attributed to
-# the variant whose call is running.
-_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
-           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-           "/jax/core/compile/backend_compile_duration": "compile"}
-_current = {"variant": None}
-_event_count: dict[tuple[str, str], int] = {}
-_event_secs: dict[tuple[str, str], float] = {}
-
-
-def _on_event(event: str, duration: float, **kwargs) -> None:
-    del kwargs
-    kind, variant = _EVENTS.get(event), _current["variant"]
-    if kind is not None and variant is not None:
-        _event_count[variant, kind] = _event_count.get((variant, kind), 0) + 1
-        _event_secs[variant, kind] = _event_secs.get((variant, kind), 0.0) + duration
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
+JMP_POLICY = "p=f32,c=f16,o=f32"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -101,10 +76,6 @@ def make_loss_fn(model):
     return loss_fn
 
 
-def _copy(tree):
-    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
-
-
 def _counted(fn, counter: list):
     """Wraps a loss function so that each trace (each call at trace time) increments counter[0]."""
 
@@ -116,167 +87,169 @@ def _counted(fn, counter: list):
     return wrapped
 
 
+def _jaxamp_variant(name, base_loss, params, tx):
+    """(a) and (d): jaxamp, exactly as a user writes it."""
+    policy, scale = ("fp16", DynamicLossScale(INIT_SCALE)) if name == "a" else ("fp32", NoOpLossScale())
+    state = TrainState.create(params=harness.copy_tree(params), tx=tx, policy=get_policy(policy), loss_scale=scale,
+                              rng=jax.random.key(0))
+    step = jax.jit(functools.partial(train_step, loss_fn=base_loss), donate_argnums=0)
+    return step, (state,), lambda f, carry, batch: (f(carry[0], batch)[0],)
+
+
+def _jmp_variant(base_loss, params, tx):
+    """(b): the minimal hand-written jmp step."""
+    policy = jmp.get_policy(JMP_POLICY)
+    # jmp.StaticLossScale is an *empty* pytree (its array would be jit metadata and unhashable), so it is
+    # closed over: the scale is a constant of the compiled step.
+    loss_scale = jmp.StaticLossScale(jnp.asarray(INIT_SCALE, jnp.float32))
+
+    def step_b(p, opt_state, batch):
+        def scaled_loss(p):
+            loss = base_loss(policy.cast_to_compute(p), batch, None)
+            return loss_scale.scale(loss), loss
+
+        grads, loss = jax.grad(scaled_loss, has_aux=True)(p)
+        grads = loss_scale.unscale(grads)
+        finite = jmp.all_finite(grads)
+        updates, new_opt_state = tx.update(grads, opt_state, p)
+        new_p = optax.apply_updates(p, updates)
+        p, opt_state = jmp.select_tree(finite, (new_p, new_opt_state), (p, opt_state))
+        return p, opt_state, loss, finite
+
+    p0 = harness.copy_tree(params)
+    step = jax.jit(step_b, donate_argnums=(0, 1))
+    return step, (p0, tx.init(p0)), lambda f, carry, batch: f(carry[0], carry[1], batch)[:2]
+
+
+def _flax_variant(base_loss, params, tx):
+    """(c): Flax DynamicScale, as in its docstring and the Flax ImageNet example."""
+    policy = jmp.get_policy(JMP_POLICY)
+    dyn = DynamicScale(fin_steps=jnp.zeros((), jnp.int32), scale=jnp.asarray(INIT_SCALE, jnp.float32))
+
+    def step_c(p, opt_state, dynamic_scale, batch):
+        def loss(p):
+            return base_loss(policy.cast_to_compute(p), batch, None)
+
+        dynamic_scale, is_fin, loss_value, grads = dynamic_scale.value_and_grad(loss)(p)
+        updates, new_opt_state = tx.update(grads, opt_state, p)
+        new_p = optax.apply_updates(p, updates)
+        select = functools.partial(jnp.where, is_fin)
+        p = jax.tree.map(select, new_p, p)
+        opt_state = jax.tree.map(select, new_opt_state, opt_state)
+        return p, opt_state, dynamic_scale, loss_value, is_fin
+
+    p0 = harness.copy_tree(params)
+    step = jax.jit(step_c, donate_argnums=(0, 1, 2))
+    return step, (p0, tx.init(p0), dyn), lambda f, carry, batch: f(*carry, batch)[:3]
+
+
+def _optax_variant(base_loss, params, tx):
+    """(e): plain optax in fp32."""
+    def step_e(p, opt_state, batch):
+        loss, grads = jax.value_and_grad(lambda p: base_loss(p, batch, None))(p)
+        updates, opt_state = tx.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, loss
+
+    p0 = harness.copy_tree(params)
+    step = jax.jit(step_e, donate_argnums=(0, 1))
+    return step, (p0, tx.init(p0)), lambda f, carry, batch: f(carry[0], carry[1], batch)[:2]
+
+
 def make_variant(name: str, model, params, tx, counter: list):
+    """Variant `name`'s `(jitted step, initial carry, call)` on `model` and `params`; `counter[0]` counts its traces."""
     base_loss = _counted(make_loss_fn(model), counter)  # loss_fn(params, (inputs, targets), rng) -> f32[]
+    if name in ("a", "d"):
+        return _jaxamp_variant(name, base_loss, params, tx)
+    factories = {"b": _jmp_variant, "c": _flax_variant, "e": _optax_variant}
+    if name not in factories:
+        raise ValueError(f"unknown variant {name!r}")
+    return factories[name](base_loss, params, tx)
 
-    if name in ("a", "d"):  # jaxamp, exactly as a user writes it
-        policy, scale = ("fp16", DynamicLossScale(INIT_SCALE)) if name == "a" else ("fp32", NoOpLossScale())
-        state = TrainState.create(params=_copy(params), tx=tx, policy=get_policy(policy), loss_scale=scale,
-                                  rng=jax.random.key(0))
-        step = jax.jit(functools.partial(train_step, loss_fn=base_loss), donate_argnums=0)
-        return step, (state,), lambda f, carry, batch: (f(carry[0], batch)[0],)
 
-    if name == "b":  # minimal hand-written jmp step
-        policy = jmp.get_policy("p=f32,c=f16,o=f32")
-        # jmp.StaticLossScale is an *empty* pytree (its array would be jit metadata and unhashable), so it is
-        # closed over: the scale is a constant of the compiled step.
-        loss_scale = jmp.StaticLossScale(jnp.asarray(INIT_SCALE, jnp.float32))
+class Window:
+    """A variant's step and carry as a `harness.interleaved` window: runs the steps of `idx` on `batches` (cycled),
+    then blocks; XLA compile events during its calls count towards `name` (with `count_events`)."""
 
-        def step_b(p, opt_state, batch):
-            def scaled_loss(p):
-                loss = base_loss(policy.cast_to_compute(p), batch, None)
-                return loss_scale.scale(loss), loss
+    def __init__(self, name: str, variant: tuple, batches: list, count_events: bool = True):
+        self.name, (self.step, self.carry, self.call), self.batches = name, variant, batches
+        self.label = name if count_events else None
 
-            grads, loss = jax.grad(scaled_loss, has_aux=True)(p)
-            grads = loss_scale.unscale(grads)
-            finite = jmp.all_finite(grads)
-            updates, new_opt_state = tx.update(grads, opt_state, p)
-            new_p = optax.apply_updates(p, updates)
-            p, opt_state = jmp.select_tree(finite, (new_p, new_opt_state), (p, opt_state))
-            return p, opt_state, loss, finite
+    def __call__(self, idx: range) -> None:
+        with harness.compile_events().attribute(self.label):
+            carry = self.carry
+            for i in idx:
+                carry = self.call(self.step, carry, self.batches[i % len(self.batches)])
+            self.carry = jax.block_until_ready(carry)
 
-        p0 = _copy(params)
-        step = jax.jit(step_b, donate_argnums=(0, 1))
-        return step, (p0, tx.init(p0)), lambda f, carry, batch: f(carry[0], carry[1], batch)[:2]
 
-    if name == "c":  # Flax DynamicScale, as in its docstring and the Flax ImageNet example
-        policy = jmp.get_policy("p=f32,c=f16,o=f32")
-        dyn = DynamicScale(fin_steps=jnp.zeros((), jnp.int32), scale=jnp.asarray(INIT_SCALE, jnp.float32))
+def setup(layers: int, heads: int, width: int, seq_len: int, batch_size: int, vocab: int):
+    """The LM at this size, its initial params and 8 random-token batches: `(cfg, model, params, batches)`."""
+    cfg = TransformerConfig(vocab_size=vocab, seq_len=seq_len, num_layers=layers, num_heads=heads, width=width,
+                            dropout=0.0)
+    model = TransformerLM(cfg)
+    params = model.init(jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32))["params"]
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(8):
+        tokens = rng.integers(0, vocab, size=(batch_size, seq_len + 1), dtype=np.int32)
+        batches.append((jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])))  # i32[batch, seq] each
+    return cfg, model, params, batches
 
-        def step_c(p, opt_state, dynamic_scale, batch):
-            def loss(p):
-                return base_loss(policy.cast_to_compute(p), batch, None)
 
-            dynamic_scale, is_fin, loss_value, grads = dynamic_scale.value_and_grad(loss)(p)
-            updates, new_opt_state = tx.update(grads, opt_state, p)
-            new_p = optax.apply_updates(p, updates)
-            select = functools.partial(jnp.where, is_fin)
-            p = jax.tree.map(select, new_p, p)
-            opt_state = jax.tree.map(select, new_opt_state, opt_state)
-            return p, opt_state, dynamic_scale, loss_value, is_fin
+def run_interleaved(windows: dict, *, rounds: int, steps: int, warmup: int) -> dict:
+    """`harness.interleaved` over the windows, the first call and `warmup` untimed steps first.
 
-        p0 = _copy(params)
-        step = jax.jit(step_c, donate_argnums=(0, 1, 2))
-        return step, (p0, tx.init(p0), dyn), lambda f, carry, batch: f(*carry, batch)[:3]
-
-    if name == "e":  # plain optax fp32
-        def step_e(p, opt_state, batch):
-            loss, grads = jax.value_and_grad(lambda p: base_loss(p, batch, None))(p)
-            updates, opt_state = tx.update(grads, opt_state, p)
-            return optax.apply_updates(p, updates), opt_state, loss
-
-        p0 = _copy(params)
-        step = jax.jit(step_e, donate_argnums=(0, 1))
-        return step, (p0, tx.init(p0)), lambda f, carry, batch: f(carry[0], carry[1], batch)[:2]
-
-    raise ValueError(f"unknown variant {name!r}")
+    Returns:
+      `{"per_round": {name: [s/step]}, "first_call": {name: s}}`.
+    """
+    first, seconds = harness.interleaved(windows, rounds=rounds, steps=steps, warmup=warmup + 1)
+    return {"per_round": {n: [s / steps for s in v] for n, v in seconds.items()}, "first_call": first}
 
 
 # --------------------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=50, help="steps per variant per round (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant after the first call "
-                   "(default: %(default)s)")
-    p.add_argument("--layers", type=int, default=4, help="Transformer blocks (default: %(default)s)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
-    p.add_argument("--width", type=int, default=128, help="model width (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=12, help="sequences per step (default: %(default)s)")
+    harness.add_timing_flags(p, rounds=7, steps=50, warmup=3, first_call_included=False)
+    harness.add_model_flags(p)
     p.add_argument("--vocab", type=int, default=65, help="vocabulary size (default: %(default)s)")
     p.add_argument("--flax-default-check", action=argparse.BooleanOptionalAction, default=True,
                    help="also count the traces of Flax DynamicScale() with its default Python-scalar fields over "
                    "3 steps (two extra compiles; default: on)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown table to write (default: %(default)s)")
     args = p.parse_args(argv)
-    check_sizes(p, args, ("steps", "rounds", "layers", "heads", "width", "seq_len", "batch_size", "vocab"), ("warmup",))
-    check_output(p, "--out", args.out)
+    harness.check_sizes(p, args, ("steps", "rounds", "layers", "heads", "width", "seq_len", "batch_size", "vocab"),
+                        ("warmup",))
+    harness.check_output(p, "--out", args.out)
     return args
-
-
-def _machine() -> str:
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    return (f"{platform.platform()} ({platform.machine()}), os.cpu_count()={os.cpu_count()}, "
-            f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-            f"python {platform.python_version()}; load average at start {load}")
-
-
 def run(args) -> dict:
-    machine = _machine()  # before the load this process adds
-    cfg = TransformerConfig(vocab_size=args.vocab, seq_len=args.seq_len, num_layers=args.layers,
-                            num_heads=args.heads, width=args.width, dropout=0.0)
-    model = TransformerLM(cfg)
-    params = model.init(jax.random.key(0), jnp.zeros((1, args.seq_len), jnp.int32))["params"]
+    """Every variant, interleaved; compile counts, XLA's cost model, and the Flax-defaults check. The report's input."""
+    machine = harness.machine(when="at start")  # before the load this process adds
+    cfg, model, params, batches = setup(args.layers, args.heads, args.width, args.seq_len, args.batch_size,
+                                        args.vocab)
     tx = optax.adamw(learning_rate=1e-3, weight_decay=0.1)
-    rng = np.random.default_rng(0)
-    batches = []
-    for _ in range(8):
-        tokens = rng.integers(0, args.vocab, size=(args.batch_size, args.seq_len + 1), dtype=np.int32)
-        batches.append((jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])))
-
     names = list(VARIANTS)
     traces = {n: [0] for n in names}
-    variants, carries, first_call = {}, {}, {}
-    for n in names:  # first call (trace + compile + one step), then untimed warmup steps
-        step, carry, call = make_variant(n, model, params, tx, traces[n])
-        _current["variant"] = n
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(call(step, carry, batches[0]))
-        first_call[n] = time.perf_counter() - t0
-        for i in range(args.warmup):
-            carry = call(step, carry, batches[(i + 1) % len(batches)])
-        carry = jax.block_until_ready(carry)
-        _current["variant"] = None
-        variants[n], carries[n] = (step, call), carry
+    windows = {n: Window(n, make_variant(n, model, params, tx, traces[n]), batches) for n in names}
+    res = run_interleaved(windows, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
+    events = harness.compile_events()
+    res.update(machine=machine, cfg=cfg, n_params=count_params(params),
+               total_steps=1 + args.warmup + args.rounds * args.steps,
+               traces={n: traces[n][0] for n in names}, compiles={n: events.count(n) for n in names},
+               secs={n: {k: events.secs(n, k) for k in ("trace", "lower", "compile")} for n in names})
+    res["median"] = {n: statistics.median(v) for n, v in res["per_round"].items()}
+    res["cost"] = {n: _cost_analysis(w.step, w.carry, batches[0]) for n, w in windows.items()}  # after the counts
+    res["skipped"] = _skipped(windows)
+    res["flax_default_traces"] = _check_flax_defaults(model, params, batches) if args.flax_default_check else None
+    return res
 
-    per_round = {n: [] for n in names}  # seconds per step, one entry per round
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
-            step, call = variants[n]
-            carry = carries[n]
-            _current["variant"] = n
-            t0 = time.perf_counter()
-            for i in range(args.steps):
-                carry = call(step, carry, batches[i % len(batches)])
-            carry = jax.block_until_ready(carry)
-            per_round[n].append((time.perf_counter() - t0) / args.steps)
-            _current["variant"] = None
-            carries[n] = carry
-    total_steps = 1 + args.warmup + args.rounds * args.steps
-    traces_in_run = {n: traces[n][0] for n in names}
-    compiles_in_run = {n: _event_count.get((n, "compile"), 0) for n in names}
-    secs = {n: {k: _event_secs.get((n, k), 0.0) for k in ("trace", "lower", "compile")} for n in names}
-    cost = {n: _cost_analysis(variants[n][0], carries[n], batches[0]) for n in names}  # after the counts above
 
-    # Skipped updates: the loss-scale state says whether an overflow happened (a, c); b's flag is not carried.
-    skipped = {}
-    a_scale = carries["a"][0].loss_scale
-    skipped["a"] = "0" if float(a_scale.loss_scale) == INIT_SCALE else f"scale now {float(a_scale.loss_scale):g}"
-    skipped["c"] = "0" if float(carries["c"][2].scale) == INIT_SCALE else f"scale now {float(carries['c'][2].scale):g}"
-
-    # Flax DynamicScale with its default (Python scalar, weakly typed) fields: how many traces over 3 steps?
-    flax_default_traces = [0] if args.flax_default_check else None
-    if flax_default_traces is not None:
-        _check_flax_defaults(model, params, batches, flax_default_traces)
-
-    median = {n: statistics.median(per_round[n]) for n in names}
-    return dict(cost=cost, machine=machine, cfg=cfg, n_params=count_params(params), per_round=per_round, median=median,
-                first_call=first_call,
-                secs=secs, traces=traces_in_run, compiles=compiles_in_run, total_steps=total_steps, skipped=skipped,
-                flax_default_traces=None if flax_default_traces is None else flax_default_traces[0])
+def _skipped(windows: dict) -> dict:
+    """Skipped updates: the loss-scale state says whether an overflow happened (a, c); b's flag is not carried."""
+    a_scale = float(windows["a"].carry[0].loss_scale.loss_scale)
+    c_scale = float(windows["c"].carry[2].scale)
+    return {"a": "0" if a_scale == INIT_SCALE else f"scale now {a_scale:g}",
+            "c": "0" if c_scale == INIT_SCALE else f"scale now {c_scale:g}"}
 
 
 def _cost_analysis(step, carry, batch) -> dict:
@@ -289,9 +262,11 @@ def _cost_analysis(step, carry, batch) -> dict:
     return {"flops": float(analysis.get("flops", 0.0)), "bytes": float(analysis.get("bytes accessed", 0.0))}
 
 
-def _check_flax_defaults(model, params, batches, flax_default_traces: list) -> None:
-    base_loss = _counted(make_loss_fn(model), flax_default_traces)
-    policy = jmp.get_policy("p=f32,c=f16,o=f32")
+def _check_flax_defaults(model, params, batches) -> int:
+    """Traces of a step with Flax `DynamicScale()`'s default (Python scalar, weakly typed) fields over 3 steps."""
+    traces = [0]
+    base_loss = _counted(make_loss_fn(model), traces)
+    policy = jmp.get_policy(JMP_POLICY)
 
     @jax.jit
     def flax_default_step(p, dynamic_scale, batch):
@@ -300,32 +275,30 @@ def _check_flax_defaults(model, params, batches, flax_default_traces: list) -> N
         return jax.tree.map(functools.partial(jnp.where, is_fin), jax.tree.map(lambda x, g: x - 1e-3 * g, p, grads),
                             p), ds
 
-    p, ds = _copy(params), DynamicScale()
+    p, ds = harness.copy_tree(params), DynamicScale()
     for i in range(3):
         p, ds = flax_default_step(p, ds, batches[i])
     jax.block_until_ready(p)
+    return traces[0]
 
 
 def _ratio(res, x: str, y: str) -> str:
     """Ratio of medians (bold), of the fastest rounds, and the median and range of the per-round paired ratios."""
     rx, ry = res["per_round"][x], res["per_round"][y]
-    paired = sorted(a / b for a, b in zip(rx, ry))
     cx, cy = res["cost"][x], res["cost"][y]
-    return (f"**{res['median'][x] / res['median'][y]:.3f}x** | {min(rx) / min(ry):.3f}x | "
-            f"{statistics.median(paired):.3f}x ({paired[0]:.3f}-{paired[-1]:.3f}) | "
-            f"{cx['bytes'] / cy['bytes']:.3f}x | {cx['flops'] / cy['flops']:.3f}x")
+    medians, paired = harness.ratio_cells(rx, ry).split(" | ")
+    return (f"{medians} | {min(rx) / min(ry):.3f}x | {paired} | {cx['bytes'] / cy['bytes']:.3f}x | "
+            f"{cx['flops'] / cy['flops']:.3f}x")
 
 
-def report(args, res, argv=None) -> str:
-    cfg = res["cfg"]
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    tokens = args.batch_size * args.seq_len
-    lines = [
+def _header(args, res, argv) -> list[str]:
+    cfg, tokens = res["cfg"], args.batch_size * args.seq_len
+    return [
         "# jaxamp overhead on CPU",
         "",
-        f"- command: `{command_line(argv)}`",
+        f"- command: `{harness.command_line(__file__, argv)}`",
         f"- machine: {res['machine']}",
-        f"- date: {date}",
+        f"- date: {harness.now()}",
         f"- model: {cfg.num_layers} layers, {cfg.num_heads} heads, width {cfg.width}, seq {cfg.seq_len}, "
         f"vocab {cfg.vocab_size}, batch {args.batch_size} ({tokens} tokens/step), {res['n_params']:,} params; "
         f"optax.adamw; random token batches",
@@ -334,19 +307,29 @@ def report(args, res, argv=None) -> str:
         "- CPU timings on a shared 2-core machine with other jobs running: small differences (a few %) are within "
         "noise; XLA:CPU upcasts float16 dots to float32, so fp16 vs fp32 here says nothing about GPU speed.",
         "",
-        "| variant | median ms/step | min-max ms/step over rounds | tokens/s (median) | first call s | "
-        "first call - steady s | trace s | lower s | XLA compile s | traces in run | XLA compiles in run | "
-        "XLA bytes accessed MB | XLA GFLOP |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+
+def _variant_rows(args, res) -> list[str]:
+    tokens = args.batch_size * args.seq_len
+    lines = harness.table(["variant", "median ms/step", "min-max ms/step over rounds", "tokens/s (median)",
+                           "first call s", "first call - steady s", "trace s", "lower s", "XLA compile s",
+                           "traces in run", "XLA compiles in run", "XLA bytes accessed MB", "XLA GFLOP"])
     for n, desc in VARIANTS.items():
         med, rounds, sec = res["median"][n], res["per_round"][n], res["secs"][n]
         lines.append(
-            f"| ({n}) {desc} | {med * 1e3:.2f} | {min(rounds) * 1e3:.2f}-{max(rounds) * 1e3:.2f} | "
+            f"| ({n}) {desc} | {med * 1e3:.2f} | {harness.spread(rounds, 1e3, '.2f')} | "
             f"{tokens / med:,.0f} | {res['first_call'][n]:.2f} | {res['first_call'][n] - med:.2f} | "
             f"{sec['trace']:.2f} | {sec['lower']:.2f} | {sec['compile']:.2f} | {res['traces'][n]} | "
             f"{res['compiles'][n]} | {res['cost'][n]['bytes'] / 1e6:.1f} | {res['cost'][n]['flops'] / 1e9:.3f} |")
-    lines += [
+    return lines
+
+
+def report(args, res, argv=None) -> str:
+    """The markdown report of `run`'s results."""
+    lines = [
+        *_header(args, res, argv),
+        *_variant_rows(args, res),
         "",
         f"Each variant ran {res['total_steps']} steps in one process. \"first call\" is the cold first step (trace, "
         "lower, compile, run); trace/lower/XLA compile seconds are the durations jax.monitoring reports for that "
@@ -384,13 +367,7 @@ def report(args, res, argv=None) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    res = run(args)
-    table = report(args, res, argv)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table, encoding="utf-8")
-    print(table, end="")
-    print(f"wrote {out}")
+    harness.write_report(args.out, report(args, run(args), argv))
     return 0
 
 

@@ -23,23 +23,21 @@ report.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from jaxamp.lm.cli import check_output, check_sizes, write_report  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from jaxamp.precision import get_policy  # noqa: E402
 
-DEFAULT_OUT = REPO / "benchmarks" / "results" / "scaling.md"
+REPO = harness.REPO
+DEFAULT_OUT = harness.RESULTS / "scaling.md"
 # (label, devices, --mesh or None for the plain single-device path)
 CONFIGS = [
     ("1 device, no mesh (plain jit)", 1, None),
@@ -52,6 +50,7 @@ CONFIGS = [
 
 
 def parse_args(argv=None):
+    """The flags, checked (one-line usage errors)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -62,17 +61,19 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first compiles)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-devices", type=int, default=8, choices=(1, 2, 4, 8),
+                   help="only the configurations of at most this many devices (default: all)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--child", nargs=2, metavar=("DEVICES", "MESH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    check_sizes(p, args, ("layers", "heads", "width", "seq_len", "batch_size", "steps", "rounds"), ("warmup",))
+    harness.check_sizes(p, args, ("layers", "heads", "width", "seq_len", "batch_size", "steps", "rounds"), ("warmup",))
     if args.batch_size % 8:
         p.error(f"--batch-size must be divisible by 8 (the largest device count), got {args.batch_size}")
     try:
         get_policy(args.precision)
     except ValueError as err:
         p.error(f"--precision: {err}")
-    check_output(p, "--out", args.out)
+    harness.check_output(p, "--out", args.out)
     return args
 
 
@@ -80,6 +81,7 @@ def parse_args(argv=None):
 
 
 def child(args) -> dict:
+    """One configuration in this process (its device count fixed by XLA_FLAGS): steady-state tokens/s."""
     devices, mesh = int(args.child[0]), (None if args.child[1] == "none" else args.child[1])
     import jax  # pylint: disable=import-outside-toplevel
 
@@ -130,23 +132,54 @@ def _child_argv(args, devices: int, mesh: str | None) -> list[str]:
 
 
 def _machine() -> str:
-    import jax  # pylint: disable=import-outside-toplevel
+    return (f"{harness.machine(backend=False, load=False)} on cpu (fake devices); load average at start "
+            f"{harness.load_average()}")
 
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    return (f"{platform.platform()} ({platform.machine()}), os.cpu_count()={os.cpu_count()}, jax {jax.__version__} "
-            f"on cpu (fake devices), python {platform.python_version()}; load average at start {load}")
+
+GPU_COMMANDS = [
+    "## Prepared commands for real devices (not run here)",
+    "",
+    "One GPU (no mesh, the single-device path; `--batch-size` is the batch of the one device):",
+    "",
+    "```sh",
+    "python experiments/train_lm.py --precision bf16 --batch-size 64 --workdir runs/1gpu",
+    "```",
+    "",
+    "8 GPUs of one host, data parallel (params replicated; `--batch-size` is the global batch, 64 per GPU here):",
+    "",
+    "```sh",
+    "python experiments/train_lm.py --precision bf16 --mesh data=8 --batch-size 512 --workdir runs/8gpu",
+    "# params and optimizer state sharded as well (FSDP) when they do not fit one GPU:",
+    "python experiments/train_lm.py --precision bf16 --mesh data=2,fsdp=4 --batch-size 512 --workdir runs/fsdp",
+    "```",
+    "",
+    "2 hosts with 8 GPUs each (16 devices), one command per host; host 0's address must be reachable from host 1, "
+    "and `--workdir` must be one shared file system (orbax writes one checkpoint from all processes):",
+    "",
+    "```sh",
+    "# on host 0 (10.0.0.1)",
+    "python experiments/train_lm.py --precision bf16 --mesh data=16 --batch-size 1024 --workdir /shared/2h \\",
+    "    --coordinator 10.0.0.1:12345 --num-processes 2 --process-id 0",
+    "# on host 1",
+    "python experiments/train_lm.py --precision bf16 --mesh data=16 --batch-size 1024 --workdir /shared/2h \\",
+    "    --coordinator 10.0.0.1:12345 --num-processes 2 --process-id 1",
+    "```",
+    "",
+    "(`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` may replace the three flags. With "
+    "`--mesh data=2,fsdp=8` the params are split across the 8 GPUs of each host and replicated across the two "
+    "hosts, so the all-gathers stay inside a host.)",
+]
 
 
 def report(args, argv, machine: str, results: dict, wall_s: float) -> str:
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    load_end = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    """The markdown report: the table over configurations, then the prepared commands for real devices."""
     tokens = args.batch_size * args.seq_len
     lines = [
         "# jaxamp scaling on fake CPU devices",
         "",
-        f"- command: `python benchmarks/scaling.py{''.join(' ' + a for a in argv)}`",
-        f"- machine: {machine}; at the end {load_end}",
-        f"- date: {date}; wall time {wall_s:.0f} s",
+        f"- command: `{harness.command_line(__file__, argv)}`",
+        f"- machine: {machine}; at the end {harness.load_average()}",
+        f"- date: {harness.now()}; wall time {wall_s:.0f} s",
         f"- model: {args.layers} layer(s), {args.heads} heads, width {args.width}, seq {args.seq_len}; precision "
         f"{args.precision} (DynamicLossScale for fp16), AdamW as experiments/train_lm.py; **fixed global batch "
         f"{args.batch_size}** ({tokens:,} tokens/step, the same for every device count: strong scaling)",
@@ -160,12 +193,13 @@ def report(args, argv, machine: str, results: dict, wall_s: float) -> str:
         "2 cores the numbers measure what partitioning costs (collectives, per-device dispatch, smaller per-device "
         "matmuls, building the global batch). Real scaling needs real devices: see the commands at the end.",
         "",
-        "| configuration | devices | median tokens/s | min-max tokens/s over rounds | median ms/step | vs 1 device "
-        "(plain jit) | first call s (median) | compiles |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *harness.table(["configuration", "devices", "median tokens/s", "min-max tokens/s over rounds",
+                        "median ms/step", "vs 1 device (plain jit)", "first call s (median)", "compiles"]),
     ]
     base = statistics.median(r["tokens_per_s"] for r in results[CONFIGS[0][0]])
     for label, devices, _ in CONFIGS:
+        if label not in results:
+            continue
         rs = results[label]
         tps = [r["tokens_per_s"] for r in rs]
         med = statistics.median(tps)
@@ -179,37 +213,7 @@ def report(args, argv, machine: str, results: dict, wall_s: float) -> str:
         "steps). Every step's gradients were finite in every configuration: "
         f"{all(r['finite'] for rs in results.values() for r in rs)}.",
         "",
-        "## Prepared commands for real devices (not run here)",
-        "",
-        "One GPU (no mesh, the single-device path; `--batch-size` is the batch of the one device):",
-        "",
-        "```sh",
-        "python experiments/train_lm.py --precision bf16 --batch-size 64 --workdir runs/1gpu",
-        "```",
-        "",
-        "8 GPUs of one host, data parallel (params replicated; `--batch-size` is the global batch, 64 per GPU here):",
-        "",
-        "```sh",
-        "python experiments/train_lm.py --precision bf16 --mesh data=8 --batch-size 512 --workdir runs/8gpu",
-        "# params and optimizer state sharded as well (FSDP) when they do not fit one GPU:",
-        "python experiments/train_lm.py --precision bf16 --mesh data=2,fsdp=4 --batch-size 512 --workdir runs/fsdp",
-        "```",
-        "",
-        "2 hosts with 8 GPUs each (16 devices), one command per host; host 0's address must be reachable from host 1, "
-        "and `--workdir` must be one shared file system (orbax writes one checkpoint from all processes):",
-        "",
-        "```sh",
-        "# on host 0 (10.0.0.1)",
-        "python experiments/train_lm.py --precision bf16 --mesh data=16 --batch-size 1024 --workdir /shared/2h \\",
-        "    --coordinator 10.0.0.1:12345 --num-processes 2 --process-id 0",
-        "# on host 1",
-        "python experiments/train_lm.py --precision bf16 --mesh data=16 --batch-size 1024 --workdir /shared/2h \\",
-        "    --coordinator 10.0.0.1:12345 --num-processes 2 --process-id 1",
-        "```",
-        "",
-        "(`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` may replace the three flags. With "
-        "`--mesh data=2,fsdp=8` the params are split across the 8 GPUs of each host and replicated across the two "
-        "hosts, so the all-gathers stay inside a host.)",
+        *GPU_COMMANDS,
     ]
     return "\n".join(lines) + "\n"
 
@@ -222,10 +226,10 @@ def main(argv=None) -> int:
         return 0
     machine = _machine()
     t0 = time.perf_counter()
-    results: dict[str, list[dict]] = {label: [] for label, _, _ in CONFIGS}
+    configs = [c for c in CONFIGS if c[1] <= args.max_devices]
+    results: dict[str, list[dict]] = {label: [] for label, _, _ in configs}
     for r in range(args.rounds):
-        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
-        for label, devices, mesh in order:
+        for label, devices, mesh in harness.rotated(configs, r):
             proc = subprocess.run(_child_argv(args, devices, mesh), env=_env(devices), cwd=REPO, capture_output=True,
                                   text=True, timeout=1800)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -233,7 +237,7 @@ def main(argv=None) -> int:
                 raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
             results[label].append(json.loads(lines[-1][len("RESULT "):]))
             print(f"round {r + 1} {label}: {results[label][-1]['tokens_per_s']:,.0f} tokens/s", flush=True)
-    write_report(args.out, report(args, argv, machine, results, time.perf_counter() - t0))
+    harness.write_report(args.out, report(args, argv, machine, results, time.perf_counter() - t0))
     return 0
 
 

@@ -27,8 +27,7 @@ def run_script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-
-
+@pytest.mark.slow
 def test_overhead_benchmark_tiny(tmp_path):
     out = tmp_path / "overhead.md"
     proc = run_script("benchmarks/overhead.py", "--layers", "1", "--width", "16", "--heads", "2", "--rounds", "2",
@@ -53,6 +52,7 @@ def test_overhead_benchmark_tiny(tmp_path):
         assert 0.5 < number(rows[key][3]) < 2 and 0.5 < number(rows[key][4]) < 2, rows[key]  # bytes, flops ratios
 
 
+@pytest.mark.slow
 def test_nnx_overhead_benchmark_tiny(tmp_path):
     out = tmp_path / "nnx.md"
     proc = run_script("benchmarks/nnx_overhead.py", "--layers", "1", "--width", "8", "--heads", "1", "--seq-len", "8",
@@ -85,6 +85,7 @@ def test_nnx_overhead_benchmark_tiny(tmp_path):
     assert "(g) adds +1.0% of (a)'s reference step in Python (within the goal)" in module.report(args, res)
 
 
+@pytest.mark.slow
 def test_gpu_throughput_tiny(tmp_path):
     out = tmp_path / "gpu.md"
     proc = run_script("benchmarks/gpu_throughput.py", "--tiny", "--steps", "2", "--out", str(out))
@@ -104,6 +105,7 @@ def test_gpu_throughput_tiny(tmp_path):
     assert main_rows["bf16-fused"][9].split(" -> ")[0] == main_rows["bf16"][9].split(" -> ")[0]
 
 
+@pytest.mark.slow
 def test_gpu_throughput_tiny_on_token_files(tmp_path):
     """--data DIR times real tokens: the batches of batch_at on its train.bin, with meta.pkl's vocabulary."""
     import pickle
@@ -134,6 +136,7 @@ def test_gpu_throughput_tiny_on_token_files(tmp_path):
     assert number(table_rows(text.split("## Memory")[0])["bf16"][2]) > 0  # tokens/s
 
 
+@pytest.mark.slow
 def test_memmap_rss_tiny(tmp_path):
     """Training batches from nanoGPT token files keep the peak resident set flat as train.bin grows 8x; reading the
     file into memory (the control) grows it by the file's size, so the measurement does see a full read."""
@@ -197,6 +200,7 @@ def test_plot_runs_errors(tmp_path):
         plot_runs([tmp_path / "ok"], tmp_path / "empty")
 
 
+@pytest.mark.slow
 def test_plot_cli_missing_dir(tmp_path):
     proc = run_script("experiments/plot.py", str(tmp_path / "nope"), "--out", str(tmp_path / "p.png"), timeout=60)
     assert proc.returncode == 2
@@ -205,6 +209,7 @@ def test_plot_cli_missing_dir(tmp_path):
     assert not (tmp_path / "p.png").exists()
 
 
+@pytest.mark.slow
 def test_fidelity_benchmark_tiny(tmp_path, text_corpus):
     out = tmp_path / "fidelity.md"
     proc = run_script("benchmarks/fidelity.py", "--tiny", "--precisions", "bf16", "--data", str(text_corpus),
@@ -220,6 +225,7 @@ def test_fidelity_benchmark_tiny(tmp_path, text_corpus):
     assert all(number(r[6]) < 2 for key, r in rows.items() if key[2] == "after")  # every leaf within 2%
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
     """benchmarks/gpu_check.sh --dry-run: the GPU check's stages at --tiny sizes on the CPU, so it cannot rot."""
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(tmp_path)], cwd=REPO,
@@ -238,6 +244,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert "fp16 / bf16 step time: median over rounds" in paired and "| fp16 |" in paired
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_only_the_stages_asked_for(tmp_path):
     """GPU_CHECK_STAGES picks stages (a short device loan measures what is new first): "none" runs none of them."""
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(tmp_path)], cwd=REPO,
@@ -263,6 +270,7 @@ def test_plot_ends_the_loss_scale_at_the_summarys_final_scale(tmp_path):
     assert plot_runs([tmp_path / "run"], tmp_path / "p.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
+@pytest.mark.slow
 def test_cpu_step_tiny(tmp_path, text_corpus):
     """benchmarks/cpu_step.py at a tiny size: every section, the same-math Flax model agreeing with jaxamp's."""
     out = tmp_path / "cpu_step.md"
@@ -288,6 +296,7 @@ def test_cpu_step_tiny(tmp_path, text_corpus):
     assert len(shares) == 3 and all(0 <= s <= 100 for s in shares)
 
 
+@pytest.mark.slow
 def test_fused_loss_tiny():
     """benchmarks/fused_loss.py at a tiny size: 64-token blocks hold under half the whole-logits temporary memory,
     give the same loss, and their gradient error against float32 is the whole-logits path's."""
@@ -299,3 +308,105 @@ def test_fused_loss_tiny():
     assert number(fused[4]) < 1e-5 and number(fused[5].split()[0]) < 0.01  # loss and gradient against whole
     err32 = [number(r[6].split()[0]) for r in (whole, fused)]
     assert 0 < err32[1] < 1.5 * err32[0], err32  # bf16's own error, not more
+
+
+def _results_bytes() -> dict[str, bytes]:
+    """Every committed file under benchmarks/results, by path: its bytes."""
+    return {str(p.relative_to(REPO)): p.read_bytes() for p in sorted((REPO / "benchmarks" / "results").rglob("*"))
+            if p.is_file()}
+
+
+def _git_status_of_results() -> str:
+    return subprocess.run(["git", "status", "--porcelain", "--", "benchmarks/results"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_writes_a_temporary_folder_not_the_committed_results(tmp_path):
+    """`gpu_check.sh --dry-run` without OUTDIR writes a fresh temporary folder: the committed H200 results in
+    benchmarks/results/gpu_check/ (and everything else under benchmarks/results) keep their bytes."""
+    before, status = _results_bytes(), _git_status_of_results()
+    env = {**FAST_ENV, "PYTHON": sys.executable, "TMPDIR": str(tmp_path), "GPU_CHECK_STAGES": "throughput",
+           "GPU_CHECK_PRECISIONS": "bf16"}
+    env.pop("OUT", None)
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _results_bytes() == before and _git_status_of_results() == status
+    outdir = Path(re.search(r"gpu_check: results in (\S+); exit 0", proc.stdout).group(1))
+    assert outdir.parent == tmp_path and outdir.name.startswith("jaxamp-gpu-check-dry-run.")
+    assert {p.name for p in outdir.iterdir()} == {"env.txt", "check.log", "gpu_throughput.md", "gpu_throughput.json"}
+    assert set(json.loads((outdir / "gpu_throughput.json").read_text())["results"]) == {"bf16"}
+
+
+@pytest.mark.slow
+def test_scaling_tiny(tmp_path):
+    """benchmarks/scaling.py on fake CPU devices, up to 2 (`--max-devices 2`: the three configurations of 1 and 2)."""
+    out = tmp_path / "scaling.md"
+    proc = run_script("benchmarks/scaling.py", "--layers", "1", "--width", "16", "--heads", "2", "--seq-len", "8",
+                      "--batch-size", "8", "--steps", "1", "--warmup", "1", "--rounds", "1", "--max-devices", "2",
+                      "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert text in proc.stdout and "os.cpu_count()" in text and "## Prepared commands for real devices" in text
+    rows = table_rows(text)
+    assert {k for k in rows if k.startswith(("1 device", "data="))} == {"1 device, no mesh (plain jit)", "data=1",
+                                                                        "data=2"}
+    for label in ("data=1", "data=2"):
+        assert number(rows[label][1]) > 0 and number(rows[label][6]) == 1, rows[label]  # tokens/s; one compile
+    assert "every configuration: True" in text
+
+
+def _summary(run: Path, precision: str, val_loss: float, **extra) -> Path:
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({
+        "precision": precision, "loss_scale_kind": "dynamic" if precision == "fp16" else "none", "val_loss": val_loss,
+        "train_loss": val_loss - 0.2, "skipped_steps": 3 if precision == "fp16" else 0, "final_loss_scale": 2.0**14,
+        "tokens_per_s": 5000.0, "wall_s": 120.0, "steps": 2000, **extra}))
+    return run
+
+
+def test_reference_tables(tmp_path, capsys):
+    """reference_table.py and reference_bpe_table.py on summary.json files: one row per run, the fp32 comparison;
+    a run without its files is one error line (exit 2)."""
+    ref = load_script("benchmarks/reference_table.py")
+    runs = [_summary(tmp_path / "char" / p, p, v) for p, v in (("fp32", 1.89), ("fp16", 1.8905), ("fp8", 1.95))]
+    assert ref.main([*map(str, runs), "--out", str(tmp_path / "ref.md")]) == 0
+    rows = table_rows((tmp_path / "ref.md").read_text())
+    assert rows["fp16"][1] == "1.8905" and rows["fp16"][7] == "yes" and rows["fp16"][8] == "0.03% yes"
+    assert rows["fp8"][7] == "NO" and rows["fp8"][8] == "3.17% NO"  # outside the seed spread and 1% of fp32
+    bpe = load_script("benchmarks/reference_bpe_table.py")
+    bpe_runs = []
+    for p, v in (("fp32", 4.0), ("bf16", 4.02)):
+        run = _summary(tmp_path / "bpe" / p, p, v, val_loss_per_char=v / 2.25)
+        (run / "tokenizer").mkdir()
+        (run / "tokenizer" / "tokenizer.json").write_text("{}")
+        (run / "tokenizer" / "meta.json").write_text(json.dumps(
+            {"tokenizer_vocab_size": 1024, "train_tokens": 9000, "val_tokens": 1000, "train_chars": 20250,
+             "val_chars": 2250}))
+        bpe_runs.append(run)
+    assert bpe.main([*map(str, bpe_runs), "--out", str(tmp_path / "bpe.md")]) == 0
+    text = (tmp_path / "bpe.md").read_text()
+    assert "2.250 characters per validation token" in text and "in every run" in text
+    assert table_rows(text)["bf16"][2] == "1.7867" and table_rows(text)["bf16"][8] == "0.50% yes"
+    capsys.readouterr()
+    assert bpe.main([str(runs[0]), "--out", str(tmp_path / "x.md")]) == 2  # no tokenizer/ there
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no summary.json or tokenizer/ in" in err[0] and not (tmp_path / "x.md").exists()
+
+
+def test_harness_tables_ratios_and_rotation():
+    """The shared harness: markdown rows and tables, interleaved rounds (rotating order), ratio cells, the command."""
+    harness = load_script("benchmarks/harness.py")
+    assert harness.row(["a", 1, ""]) == "| a | 1 | |"
+    assert harness.table(["x", "y"], [["1", "2"]], align="lr") == ["| x | y |", "| --- | ---: |", "| 1 | 2 |"]
+    order = []
+    first, per_round = harness.interleaved({n: (lambda idx, n=n: order.append((n, list(idx))) or 0.5) for n in "ab"},
+                                           rounds=2, steps=2, warmup=2)
+    assert order == [("a", [0]), ("a", [1]), ("b", [0]), ("b", [1]), ("a", [2, 3]), ("b", [2, 3]), ("b", [4, 5]),
+                     ("a", [4, 5])]
+    assert first == {"a": 0.5, "b": 0.5} and per_round == {"a": [0.5, 0.5], "b": [0.5, 0.5]}  # the windows' own
+    assert harness.ratio_cells([2.0, 4.0, 3.0], [1.0, 2.0, 2.0]) == "**1.500x** | 2.000x (1.500-2.000)"
+    assert harness.rotated([1, 2, 3], 4) == [2, 3, 1]
+    assert harness.command_line(REPO / "benchmarks" / "x.py", ["--out", "a b"]) == "python benchmarks/x.py --out 'a b'"
+    assert "os.cpu_count()=" in harness.machine(backend=False) and "load average" in harness.machine(backend=False)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-
+@pytest.mark.slow
 def test_checkpoint_bench_tiny(tmp_path, capsys):
     bench = load_script("benchmarks/checkpoint_bench.py")
     corpus = tmp_path / "corpus.txt"

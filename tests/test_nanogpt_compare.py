@@ -19,8 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 FAST_ENV = {**os.environ, "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()}
 HAS_TORCH = importlib.util.find_spec("torch") is not None
-
-
+pytestmark = pytest.mark.slow  # every test reads the report of one tiny run (a subprocess)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,143 @@
+"""The jaxamp LM step the GPU benchmarks time (`gpu_throughput.py`, `gpu_paired.py`, `gpu_profile.py`): its
+precisions, sizes, the device peaks for MFU, and `build`, which makes a precision's jitted, donating step.
+
+Importing this module imports jax but starts no backend (a parent that leaves the device to its children can use it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+from jaxamp.lm.presets import MODEL_PRESETS, PRESET_FIELDS  # imports jax, starts no backend
+
+FUSED_CHUNK = 4096  # tokens per block of the fused head + cross-entropy in the *-fused rows
+PRECISIONS = {  # name -> (jaxamp policy, dynamic loss scale?, matmul precision or None, peak-table key, loss_chunk)
+    "fp32-highest": ("fp32", False, "highest", "fp32", 0),
+    "fp32": ("fp32", False, None, "tf32", 0),
+    "bf16": ("bf16", False, None, "16bit", 0),
+    "bf16-fused": ("bf16", False, None, "16bit", FUSED_CHUNK),  # TransformerConfig.loss_chunk: no whole f32 logits
+    "fp16": ("fp16", True, None, "16bit", 0),
+    "fp8": ("fp8", False, None, "fp8", 0),
+}
+# Dense peak FLOP/s per device kind (substring of jax.devices()[0].device_kind): 16-bit tensor cores, TF32 tensor
+# cores (the default float32 matmul), true float32 (precision="highest"). Sparse figures are not used.
+PEAK_FLOPS = {
+    "H200": {"fp8": 1979e12, "16bit": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "H100": {"fp8": 1979e12, "16bit": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "A100": {"16bit": 312e12, "tf32": 156e12, "fp32": 19.5e12},  # no FP8 units
+}
+
+
+def preset_size(model: str, batch_size: int = 16) -> dict:
+    """Sizes of train_lm.py's --model preset (layers, heads, width, seq_len, vocab) and a batch size."""
+    preset = MODEL_PRESETS[model]
+    return {**{k: preset[k] for k in PRESET_FIELDS}, "vocab": preset["vocab_size"], "batch_size": batch_size}
+
+
+FULL = preset_size("gpt2-124m")  # 12 layers, 12 heads, width 768, seq 1024, vocab 50304, batch 16
+TINY = dict(layers=2, heads=4, width=64, seq_len=64, vocab=512, batch_size=4)
+
+
+def add_size_flags(parser, *, precisions: str | int) -> None:
+    """`--tiny`, `--precisions` (`precisions`: argparse's nargs, default bf16 fp16) and `--batch-size`, the size flags
+    of gpu_paired.py and gpu_profile.py."""
+    parser.add_argument("--tiny", action="store_true", help="gpu_throughput.py's --tiny sizes (a CPU test)")
+    parser.add_argument("--precisions", nargs=precisions, choices=list(PRECISIONS), default=["bf16", "fp16"])
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: gpu_throughput's)")
+
+
+def sizes(tiny: bool, batch_size: int | None = None, model: str = "gpt2-124m") -> dict:
+    """The sizes of `--tiny` or of the `--model` preset, with `--batch-size` when given."""
+    size = dict(TINY) if tiny else preset_size(model)
+    if batch_size is not None:
+        size["batch_size"] = batch_size
+    return size
+
+
+def peak_flops(device_kind: str, key: str) -> float | None:
+    """The dense peak FLOP/s of this device for a precision key, or None for an unknown device (CPU)."""
+    for name, table in PEAK_FLOPS.items():
+        if name.lower() in device_kind.lower():
+            return table.get(key)
+    return None
+
+
+def custom_calls(hlo_text: str) -> dict:
+    """Counts of the compiled step's custom calls that matter here: cuDNN fused attention, FP8 GEMMs, all GEMMs."""
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo_text)
+    return {"cudnn_attention": sum("fmha" in t for t in targets), "f8_gemm": sum("f8" in t for t in targets),
+            "gemm": sum("matmul" in t or "gemm" in t for t in targets)}
+
+
+def flops_per_token(n_params_no_pos: int, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
+    """nanoGPT's `estimate_mfu`: 6 N (forward + backward of the weights) + 12 L H Q T (attention scores)."""
+    return 6 * n_params_no_pos + 12 * layers * heads * head_dim * seq_len
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One precision, in this process.
+
+def build(name: str, size: dict):
+    """The jitted, donating jaxamp step of precision `name` and its first state and batch (on the default device).
+
+    Returns:
+      (step, state, batch, info): `step(state, batch) -> (state, metrics)`; batch = (inputs, targets), both
+      i32[batch, seq]; info = {"cfg", "n_params", "n_no_pos"}. Call it (and the step) inside `matmul_context(name)`.
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, train_step
+    from jaxamp.lm.model import TransformerConfig, TransformerLM, count_params
+    from jaxamp.lm.setup import lm_variables, make_policy
+    from jaxamp.precision import uses_fp8
+
+    policy_name, dynamic, _, _, loss_chunk = PRECISIONS[name]
+    policy = make_policy(policy_name)  # the experiment's: embedding tables float32 in the compute copy
+    cfg = TransformerConfig(vocab_size=size["vocab"], seq_len=size["seq_len"], num_layers=size["layers"],
+                            num_heads=size["heads"], width=size["width"], dropout=0.0, fp8=uses_fp8(policy),
+                            loss_chunk=loss_chunk)
+    model = TransformerLM(cfg)
+
+    def loss_fn(params, batch, rng):
+        del rng  # no dropout
+        inputs, targets = batch  # i32[batch, seq] each
+        return model.apply(lm_variables(params), inputs, targets, deterministic=True)  # f32[] mean cross-entropy
+
+    init_key, data_key, state_key = jax.random.split(jax.random.key(0), 3)
+    variables = jax.jit(model.init)(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))
+    params = variables if cfg.fp8 else variables["params"]  # FP8: its scales and amax histories ride along
+    n_params = count_params(variables["params"])
+    info = {"cfg": cfg, "n_params": n_params, "n_no_pos": n_params - int(variables["params"]["wpe"]["embedding"].size)}
+    tx = optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(learning_rate=6e-4, b1=0.9, b2=0.95, weight_decay=0.1))
+    loss_scale = DynamicLossScale(2.0**15) if dynamic else NoOpLossScale()
+    state = TrainState.create(params=params, tx=tx, policy=policy, loss_scale=loss_scale, rng=state_key)
+    tokens = jax.random.randint(data_key, (size["batch_size"], cfg.seq_len + 1), 0, cfg.vocab_size, jnp.int32)
+    batch = (tokens[:, :-1], tokens[:, 1:])  # i32[batch, seq] each
+    step = jax.jit(lambda s, b: train_step(s, b, loss_fn), donate_argnums=0)
+    return step, state, batch, info
+
+
+def data_batches(size: dict, n: int) -> list:
+    """The training batches of steps 0 .. n-1 from `size["data"]`'s train.bin (seed 0), on the default device."""
+    import jax
+
+    from jaxamp.lm.data import batch_at
+    from jaxamp.lm.token_files import open_token_dir
+
+    d = open_token_dir(size["data"], vocab_size=size["vocab"], seq_len=size["seq_len"])
+    return [jax.device_put(batch_at(d.train, seed=0, step=i, batch_size=size["batch_size"], seq_len=size["seq_len"],
+                                    vocab_size=d.vocab_size)) for i in range(n)]
+
+
+def matmul_context(name: str):
+    """`jax.default_matmul_precision` of precision `name` (a null context for the default precision)."""
+    import jax
+
+    matmul_precision = PRECISIONS[name][2]
+    return jax.default_matmul_precision(matmul_precision) if matmul_precision else contextlib.nullcontext()
+
+
