@@ -1,0 +1,253 @@
+"""Stateless FP8 matmuls: `fp8_dot_general`, a drop-in for `lax.dot_general` under Transformer Engine's recipes.
+
+No amax history, no FP8 collection: each matmul quantizes its operands from their current values, so
+
+* a loss scale multiplies the output gradient before its (current-scaled) quantization and the scale cancels: with a
+  power-of-2 loss scale the gradients are bitwise those of the unscaled loss;
+* gradient accumulation and skipped steps need no rule (there is nothing to combine or to keep);
+* a jitted step traces once and holds nothing but params and inputs.
+
+Recipes (`RECIPES`; the quantizers are in `jaxamp.fp8_quant`), for `out = x @ w` with `x: bf16[..., m, k]` (lhs, the
+activation), `w: bf16[k, n]` (rhs, the weight) and output gradient `g: bf16[..., m, n]`:
+
+* `current`: x and w e4m3, g e5m2, one scale per tensor. The backward reuses the forward's FP8 x and w (a transpose
+  keeps a per-tensor scale) and quantizes g once for both dgrad (`g @ w.T`) and wgrad (`x.T @ g`).
+* `block`: x and g e4m3 in 1x128 tiles along the contraction dim, w e4m3 in 128x128 blocks. The backward reuses the
+  forward's FP8 w (its blocks transpose with it); x and g are quantized again from high precision along the new
+  contraction dim: m (tokens) for wgrad, n for dgrad (DeepSeek-V3's 1x128 forward / 128x1 backward tiles).
+* `mxfp8`: all e4m3 in 1x32 blocks along the contraction dim. Every operand of the backward is quantized again from
+  high precision along its new contraction dim (TE's columnwise MXFP8 copies).
+
+(TE `Float8CurrentScaling` with its HYBRID format, TE `Float8BlockScaling` with its defaults and DeepSeek-V3's
+scheme, TE `MXFP8BlockScaling` / `jax.nn.scaled_dot_general`'s mxfp8 config.) The forward computes the backward's
+quantized copies of x and w and keeps only them (FP8 data and float32 scales) as residuals, as TE does.
+
+On a GPU: XLA's GEMM rewriter (`xla/service/gpu/transforms/gemm_rewriter.cc`) turns a dot whose operands are each
+`convert(f8 -> wider) * broadcast(scalar scale)` (or `/`), possibly followed by transposes and reshapes, into one
+cuBLASLt FP8 GEMM with the scales as its A/B scale factors, on sm_89+ with CUDA 12+, when the scales are scalars, not
+both operands are e5m2, each operand has one contracting and one non-contracting dim (besides batch dims), and the
+output is bf16/f16/f32. `current` is written to that pattern (operands reshaped to `[batch?, rows, k]` first, scalar
+scales, `preferred_element_type=float32`): its forward (e4m3 x e4m3), dgrad and wgrad (e5m2 x e4m3) each present it,
+so a Hopper can run them as FP8 GEMMs as it does Flax's delayed-scaling ops (the tests check the pattern in the
+jaxpr; that the rewrite fires is for a GPU run to confirm). `block` and `mxfp8` scales are per tile, which that
+rewrite refuses: on a GPU they run as float32 GEMMs on dequantized operands, numerics only, until a kernel is used
+(block-scaled GEMMs such as DeepGEMM's on Hopper; Blackwell's MXFP8/NVFP4 tensor cores, which
+`jax.nn.scaled_dot_general` reaches through cuDNN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxamp import fp8_quant
+from jaxamp.fp8_quant import E4M3, E5M2, MX_TILE, ROW_TILE, WEIGHT_TILE, check_mxfp8_dim, dequantize
+
+__all__ = ["RECIPES", "Operand", "Recipe", "fp8_dot_general", "get_recipe", "recipe_dot_general"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """How one tensor is quantized: FP8 `dtype`, `tile` over its last two axes `[rows, k]` (None: one scale for the
+    tensor) and whether the scales are rounded up to powers of 2."""
+
+    dtype: jnp.dtype
+    tile: tuple[int, int] | None
+    power_of_2: bool
+
+    @property
+    def transposable(self) -> bool:
+        """Whether the quantized copy, transposed, is the quantized transpose (per-tensor or square tiles)."""
+        return self.tile is None or self.tile[0] == self.tile[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A recipe: the quantization of lhs `x` (tiles along k), rhs `w` (stored `[n, k]`) and the output gradient `g`
+    (`[m, n]`); `multiple`: the block size every tiled dim must be a multiple of (None: partial tiles allowed)."""
+
+    name: str
+    x: Operand
+    w: Operand
+    g: Operand
+    multiple: int | None = None
+
+    def with_power_of_2(self, on: bool) -> Recipe:
+        """The recipe with power-of-2 scales on or off for all three tensors (mxfp8's e8m0 scales are always)."""
+        if self.multiple is not None and not on:
+            raise ValueError(f"recipe {self.name!r} has e8m0 scales, which are powers of 2: power_of_2=False is "
+                             "not an option")
+        return dataclasses.replace(self, **{k: dataclasses.replace(getattr(self, k), power_of_2=on)
+                                            for k in ("x", "w", "g")})
+
+
+RECIPES: dict[str, Recipe] = {
+    "current": Recipe("current", Operand(E4M3, None, False), Operand(E4M3, None, False), Operand(E5M2, None, False)),
+    "block": Recipe("block", Operand(E4M3, ROW_TILE, True), Operand(E4M3, WEIGHT_TILE, True),
+                    Operand(E4M3, ROW_TILE, True)),
+    "mxfp8": Recipe("mxfp8", Operand(E4M3, MX_TILE, True), Operand(E4M3, MX_TILE, True), Operand(E4M3, MX_TILE, True),
+                    multiple=fp8_quant.MX_BLOCK),
+}
+
+
+def get_recipe(recipe: str | Recipe, power_of_2: bool | None = None) -> Recipe:
+    """`RECIPES[recipe]` (or `recipe` itself), with `power_of_2` overriding its default where given.
+
+    Raises:
+      ValueError: an unknown name (the message lists the known ones), or power_of_2=False for mxfp8.
+    """
+    if not isinstance(recipe, Recipe):
+        if recipe not in RECIPES:
+            raise ValueError(f"unknown FP8 recipe {recipe!r}; known recipes: {', '.join(sorted(RECIPES))}")
+        recipe = RECIPES[recipe]
+    return recipe if power_of_2 is None else recipe.with_power_of_2(power_of_2)
+
+
+# --- the matmuls on the canonical form: x [batch?, m, k], w [batch?, n, k], contraction over the last axes ---
+
+def _quantize(t: jax.Array, op: Operand) -> tuple[jax.Array, jax.Array]:
+    if op.tile is None:
+        return fp8_quant.quantize_current(t, op.dtype, power_of_2=op.power_of_2)
+    return fp8_quant.quantize_tiles(t, op.tile, op.dtype, power_of_2=op.power_of_2)
+
+
+def _swap(t: jax.Array) -> jax.Array:
+    return jnp.swapaxes(t, -1, -2)
+
+
+def _transposed(qs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """A quantized `[.., r, c]` as the quantized `[.., c, r]`: valid for per-tensor scales and square tiles."""
+    q, scale = qs
+    return _swap(q), (_swap(scale) if scale.ndim >= 2 else scale)
+
+
+def _dot(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], op_a: Operand, op_b: Operand,
+         precision) -> jax.Array:
+    """`dequant(a) [.., p, c] . dequant(b) [.., q, c]` over c with float32 accumulation: `f32[.., p, q]`."""
+    lhs, rhs = dequantize(*a, op_a.tile), dequantize(*b, op_b.tile)  # convert(f8 -> f32) * scale
+    batch = tuple(range(lhs.ndim - 2))
+    dims = (((lhs.ndim - 1,), (rhs.ndim - 1,)), (batch, batch))
+    return lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    recipe: Recipe
+    out_dtype: jnp.dtype
+    precision: object
+    x_dtype: jnp.dtype
+    w_dtype: jnp.dtype
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_dot(x: jax.Array, w: jax.Array, static: _Static) -> jax.Array:
+    r = static.recipe
+    out = _dot(_quantize(x, r.x), _quantize(w, r.w), r.x, r.w, static.precision)  # f32[.., m, n]
+    return out.astype(static.out_dtype)
+
+
+def _fp8_dot_fwd(x, w, static: _Static):
+    r = static.recipe
+    if r.multiple is not None:  # the backward contracts over m (wgrad) and n (dgrad)
+        check_mxfp8_dim(x.shape[-2], "the lhs's non-contracting size (rows: wgrad contracts over it)")
+        check_mxfp8_dim(w.shape[-2], "the rhs's non-contracting size (dgrad contracts over it)")
+    xq, wq = _quantize(x, r.x), _quantize(w, r.w)
+    out = _dot(xq, wq, r.x, r.w, static.precision).astype(static.out_dtype)
+    # The backward's copies: x^T [.., k, m] tiled along m, w^T [.., k, n] tiled along n (or the forward's, transposed).
+    x_res = xq if r.x.transposable else _quantize(_swap(x), r.x)
+    w_res = wq if r.w.transposable else _quantize(_swap(w), r.w)
+    return out, (x_res, w_res)
+
+
+def _fp8_dot_bwd(static: _Static, res, g):
+    r = static.recipe
+    x_res, w_res = res
+    gq = _quantize(g, r.g)  # [.., m, n], tiles along n: dgrad's contraction
+    g_t = _transposed(gq) if r.g.transposable else _quantize(_swap(g), r.g)  # [.., n, m], tiles along m
+    x_t = _transposed(x_res) if r.x.transposable else x_res  # [.., k, m]
+    w_t = _transposed(w_res) if r.w.transposable else w_res  # [.., k, n]
+    dx = _dot(gq, w_t, r.g, r.w, static.precision)  # f32[.., m, k]
+    dw = _dot(g_t, x_t, r.g, r.x, static.precision)  # f32[.., n, k]
+    return dx.astype(static.x_dtype), dw.astype(static.w_dtype)
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+# --- dot_general's dimension numbers onto the canonical form and back ---
+
+def _canonical(t: jax.Array, batch: Sequence[int], contract: Sequence[int]) -> jax.Array:
+    """`t` transposed to (batch, free, contract) dims and flattened to `[batch?, free, contract]`."""
+    free = [d for d in range(t.ndim) if d not in batch and d not in contract]
+    size = lambda dims: math.prod(t.shape[d] for d in dims)
+    shape = ((size(batch),) if batch else ()) + (size(free), size(contract))
+    perm = (*batch, *free, *contract)
+    return (lax.transpose(t, perm) if perm != tuple(range(t.ndim)) else t).reshape(shape)
+
+
+def _check_operands(lhs, rhs, dims, out_sharding) -> None:
+    for name, t in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(t.dtype, jnp.floating):
+            raise TypeError(f"fp8_dot_general quantizes floating-point operands; {name} is {t.dtype}")
+    if out_sharding is not None:
+        raise ValueError("fp8_dot_general does not take out_sharding")
+    # lax.dot_general's own checks (and messages) of the dimension numbers, on shapes only.
+    jax.eval_shape(functools.partial(lax.dot_general, dimension_numbers=dims),
+                   jax.ShapeDtypeStruct(lhs.shape, jnp.float32), jax.ShapeDtypeStruct(rhs.shape, jnp.float32))
+
+
+def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None, preferred_element_type=None,
+                    *, recipe: str | Recipe = "current", compute_dtype=jnp.bfloat16, power_of_2: bool | None = None,
+                    out_sharding=None) -> jax.Array:
+    """`lax.dot_general(lhs, rhs, dimension_numbers)` with FP8 operands, stateless, under `recipe` (see the module).
+
+    `lhs` is the activation (`bf16[batch, in]`, `bf16[b, t, d]`), `rhs` the weight (`bf16[in, out]`,
+    `f32[d, heads, head_dim]`); any dimension numbers `lax.dot_general` takes (batch dims, several contracting
+    dims): the operands are transposed and reshaped to `[batch, rows, k]` / `[batch, n, k]` (batch dims, free dims
+    and contracting dims each flattened into one), so tiles run along the flattened contraction. The forward
+    dequantizes (`convert(f8 -> f32) * scale`) and contracts with float32 accumulation; the result is
+    `compute_dtype` (`preferred_element_type` instead where given: `jnp.einsum` passes its operands' result type).
+    The backward quantizes the output gradient (e5m2 for `current`, e4m3 otherwise) and returns cotangents in the
+    operands' dtypes. `precision` goes to the inner float32 dots.
+
+    Fits `nn.Dense(dot_general=...)` and `jnp.einsum(..., _dot_general=...)` (through `recipe_dot_general`); in an
+    einsum the operand that reaches rhs is the weight: write the activation first (`"btd,dk->btk"`; einsum swaps the
+    operands where the output lists the second operand's dims first).
+
+    Raises:
+      TypeError: a non-floating operand.
+      ValueError: an unknown recipe; dimension numbers `lax.dot_general` refuses; for mxfp8 a contraction size (or,
+        when differentiated, a non-contracting size) that is not a multiple of 32.
+    """
+    r = get_recipe(recipe, power_of_2)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    (lc, rc), (lb, rb) = dimension_numbers
+    norm = lambda dims, nd: tuple(int(d) % nd for d in dims)
+    lc, lb, rc, rb = norm(lc, lhs.ndim), norm(lb, lhs.ndim), norm(rc, rhs.ndim), norm(rb, rhs.ndim)
+    _check_operands(lhs, rhs, ((lc, rc), (lb, rb)), out_sharding)
+    x, w = _canonical(lhs, lb, lc), _canonical(rhs, rb, rc)  # [b?, m, k], [b?, n, k]
+    if r.multiple is not None:
+        check_mxfp8_dim(x.shape[-1], "the contraction size (the product of the contracting dims)")
+    out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None else compute_dtype)
+    precision = tuple(precision) if isinstance(precision, list) else precision
+    out = _fp8_dot(x, w, _Static(r, out_dtype, precision, lhs.dtype, rhs.dtype))  # [b?, m, n]
+    free = lambda t, batch, contract: [t.shape[d] for d in range(t.ndim) if d not in batch and d not in contract]
+    shape = [lhs.shape[d] for d in lb] + free(lhs, lb, lc) + free(rhs, rb, rc)
+    return out.reshape(shape)
+
+
+def recipe_dot_general(recipe: str | Recipe, *, compute_dtype=jnp.bfloat16,
+                       power_of_2: bool | None = None) -> Callable[..., jax.Array]:
+    """`fp8_dot_general` bound to a recipe: for `nn.Dense(dot_general=...)`, `jnp.einsum(..., _dot_general=...)`.
+
+    Raises:
+      ValueError: an unknown recipe name (the message lists `RECIPES`), or power_of_2=False for mxfp8.
+    """
+    resolved = get_recipe(recipe, power_of_2)
+    return functools.partial(fp8_dot_general, recipe=resolved, compute_dtype=compute_dtype)
