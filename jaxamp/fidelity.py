@@ -106,7 +106,7 @@ def _reference(state, batch, loss_fn, rng, accum_steps, reference_loss_fn, carry
 
 
 def fidelity_report(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_steps: int = 1,
-                    reference_loss_fn: LossFn | None = None, noise_floor: bool = False,
+                    reference_loss_fn: LossFn | None = None, noise_floor: Any = False,
                     carry: PyTree = None) -> dict:
     """`grad_fidelity` with what it takes to read it: each leaf's error relative to its own float32 gradient and
     to the whole gradient's norm, which leaves have a float32 gradient near zero beside the others, and optionally
@@ -121,8 +121,9 @@ def fidelity_report(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_
     Args:
       state, batch, loss_fn, accum_steps, reference_loss_fn: as for `grad_fidelity`.
       noise_floor: also compute each leaf's relative error between the float32 gradient at the master weights and
-        the float32 gradient at the weights rounded once to the compute dtype: what rounding the weights alone
-        costs (an ill-conditioned model at init moves a lot from that alone).
+        the float32 gradient at the weights rounded once to the compute dtype (True) or to the dtype given (e.g.
+        `jnp.bfloat16` for a float16 policy too): what rounding the weights alone costs (an ill-conditioned model
+        at init moves a lot from that alone). Static under jit.
       carry: a stateful loss's state (`jaxamp.nnx`), as for `gradient_pair`.
 
     Returns:
@@ -136,10 +137,10 @@ def fidelity_report(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_
                                  reference_loss_fn=reference_loss_fn, carry=carry)
     report = {"rel_err": errors(mixed, exact), "global_rel_err": global_errors(mixed, exact),
               "near_zero": near_zero(exact)}
-    if noise_floor:
+    if noise_floor is not False and noise_floor is not None:  # (a dtype is falsy: len(np.dtype) == 0)
         rng = jax.random.fold_in(state.rng, state.step)
         regular, fp8 = split_fp8(state.params)
-        compute = state.policy.compute_dtype
+        compute = state.policy.compute_dtype if noise_floor is True else noise_floor
         rounded = jax.tree.map(lambda p: p.astype(compute).astype(p.dtype)
                                if jnp.issubdtype(p.dtype, jnp.floating) else p, regular)
         at_rounded = _reference(state, batch, loss_fn, rng, accum_steps, reference_loss_fn, carry,

@@ -521,7 +521,7 @@ def grad_fidelity(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Cal
 
 def fidelity_report(model: nnx.Module, opt: Optimizer, batch: PyTree,
                     loss_fn: Callable[[nnx.Module, PyTree], Any], *, accum_steps: int = 1,
-                    noise_floor: bool = False) -> dict:
+                    noise_floor: Any = False) -> dict:
     """`jaxamp.fidelity.fidelity_report` for an NNX model: `grad_fidelity`'s errors with the near-zero leaves
     marked, each leaf's error relative to the global gradient norm and (with `noise_floor`) what rounding the
     weights once to the compute dtype alone costs. Nothing in the model or the optimizer changes.
@@ -536,7 +536,8 @@ def fidelity_report(model: nnx.Module, opt: Optimizer, batch: PyTree,
     _check_call(model, opt, loss_fn)
     graphdef, trained, state, fp8, rest = _split(model, opt)
     check_options(loss_fn, accum_steps, caller="jaxamp.nnx.fidelity_report")
-    return _fidelity_report(graphdef, trained, loss_fn, accum_steps, bool(noise_floor), state, fp8, rest, batch)
+    floor = noise_floor if noise_floor is False or noise_floor is True else jnp.dtype(noise_floor)
+    return _fidelity_report(graphdef, trained, loss_fn, accum_steps, floor, state, fp8, rest, batch)
 
 
 def fp8_ranges(model: nnx.Module, opt: Optimizer, batch: PyTree,

@@ -1,0 +1,196 @@
+"""Autocast on six public model codebases, their model code unchanged: what runs in half precision, how far the
+gradients are from float32, and how 40 training steps compare with float32's own noise.
+
+    python benchmarks/autocast_models.py                      # all six trials, 40 steps
+    python benchmarks/autocast_models.py --trials lm1b --steps 3 --out /tmp/m.md   # a test
+
+The trials are `tests/outside_models` (Flax lm1b and ImageNet ResNet in linen, Flax's NNX Gemma and the NNX MNIST
+tutorial's CNN, ESM2 in Equinox, Hugging Face's Flax GPT-2), built at tiny sizes from the published code
+(`python -m tests.outside_models` fetches Flax's example sources once). For each:
+
+- the cast policy `"bf16"`: the precision audit's half-precision share of the matmul FLOPs and its first float32
+  fall-back (file:line in the model's code, and the op that made the input float32);
+- `"bf16;autocast"` and `"fp16;autocast"` (with a dynamic loss scale): the audit's share; each trainable leaf's
+  gradient error against the float32 recomputation (`jaxamp.fidelity.fidelity_report`), counted as within when it
+  is at most max(2%, 1.5 x the leaf's noise floor: the float32 gradient at the weights rounded once to bfloat16)
+  or its float32 gradient is near zero (marked, not counted); the worst leaf;
+- 40 steps of `train_step` (Adam 1e-3, the trial's batches) under the autocast policy against float32, and float32
+  from the weights rounded once to bfloat16 (its own noise): the mean |loss difference| over the steps, and their
+  ratio (within float32's noise when the ratio is at most 1.5). bfloat16 is the yardstick for both policies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the trials (tests/outside_models)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from outside_models import TRIALS, SourceUnavailable  # noqa: E402
+
+import jaxamp  # noqa: E402
+import jaxamp.nnx as jnnx  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from jaxamp.fidelity import fidelity_report  # noqa: E402
+
+DEFAULT_OUT = harness.RESULTS / "autocast_models.md"
+POLICIES = {"bf16;autocast": lambda: jaxamp.NoOpLossScale(), "fp16;autocast": lambda: jaxamp.DynamicLossScale(2.0**15)}
+
+
+class Runner:
+    """One trial under one policy: an optimizer state, a step, the audit and the fidelity report."""
+
+    def __init__(self, name: str, policy: str, loss_scale, rounded_to=None):
+        self.trial = TRIALS[name]()
+        if rounded_to is not None:
+            self._round(rounded_to)
+        self.policy, self.tx = policy, optax.adam(1e-3)
+        self.batch = self.trial.make_batch(jax.random.key(0))
+        with jax.numpy_dtype_promotion("standard"):
+            if self.trial.kind == "nnx":
+                self.opt = jnnx.Optimizer(self.trial.model, self.tx, policy=policy, loss_scale=loss_scale)
+            else:
+                self.state = jaxamp.TrainState.create(params=self.trial.params, tx=self.tx, policy=policy,
+                                                      loss_scale=loss_scale, rng=jax.random.key(1))
+                self.step_fn = jax.jit(jaxamp.train_step, static_argnames="loss_fn")
+
+    def _round(self, dtype) -> None:
+        """The float32 weights rounded once to `dtype` (and kept float32)."""
+        cast = lambda x: x.astype(dtype).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+        if self.trial.kind == "nnx":
+            from flax import nnx
+
+            params = nnx.state(self.trial.model, nnx.Param)
+            nnx.update(self.trial.model, jax.tree.map(cast, params))
+        else:
+            self.trial.params = jax.tree.map(cast, self.trial.params)
+
+    def audit(self):
+        with jax.numpy_dtype_promotion("standard"):
+            if self.trial.kind == "nnx":
+                return jnnx.precision_audit(self.trial.model, self.opt, self.batch, self.trial.loss_fn)
+            return jaxamp.precision_audit(self.state, self.batch, self.trial.loss_fn)
+
+    def fidelity(self) -> dict:
+        """The fidelity report; noise floors from rounding the weights once to bfloat16 (the issue's yardstick,
+        for the float16 policy too)."""
+        with jax.numpy_dtype_promotion("standard"):
+            if self.trial.kind == "nnx":
+                report = jnnx.fidelity_report(self.trial.model, self.opt, self.batch, self.trial.loss_fn,
+                                              noise_floor=jnp.bfloat16)
+            else:
+                report = jax.jit(fidelity_report, static_argnames=("loss_fn", "noise_floor"))(
+                    self.state, self.batch, self.trial.loss_fn, noise_floor=jnp.dtype(jnp.bfloat16))
+        return jax.device_get(report)
+
+    def losses(self, steps: int) -> list[float]:
+        out, batch = [], self.batch
+        with jax.numpy_dtype_promotion("standard"):
+            for i in range(steps):
+                batch = {**self.trial.make_batch(jax.random.key(i)), **_carried(batch)} \
+                    if isinstance(batch, dict) else self.trial.make_batch(jax.random.key(i))
+                if self.trial.kind == "nnx":
+                    metrics = jnnx.train_step(self.trial.model, self.opt, batch, self.trial.loss_fn)
+                else:
+                    self.state, metrics = self.step_fn(self.state, batch, self.trial.loss_fn)
+                    aux = metrics.get("aux")
+                    if isinstance(aux, dict) and "batch_stats" in aux:  # ImageNet's BatchNorm statistics
+                        batch = {**batch, "batch_stats": aux["batch_stats"]}
+                out.append(float(metrics["loss"]))
+        return out
+
+
+def _carried(batch: dict) -> dict:
+    return {"batch_stats": batch["batch_stats"]} if "batch_stats" in batch else {}
+
+
+def gradient_row(report: dict) -> dict:
+    """Leaves within max(2%, 1.5 x noise floor), near-zero leaves, the worst leaf (name, error, floor)."""
+    within, counted, worst = 0, 0, ("", 0.0, 0.0)
+    for name, err in report["rel_err"].items():
+        if bool(report["near_zero"][name]):
+            continue
+        err, floor = float(err), float(report["noise_floor"][name])
+        counted += 1
+        within += err <= max(0.02, 1.5 * floor)
+        if err / max(0.02, 1.5 * floor) > worst[1] / max(0.02, 1.5 * worst[2] if worst[0] else 0.02):
+            worst = (name, err, floor)
+    near = sum(bool(v) for v in report["near_zero"].values())
+    return {"within": within, "counted": counted, "near_zero": near, "worst": worst}
+
+
+def measure(name: str, steps: int) -> dict:
+    cast = Runner(name, "bf16", jaxamp.NoOpLossScale()).audit()
+    fp32 = Runner(name, "fp32", jaxamp.NoOpLossScale()).losses(steps)
+    row = {"kind": TRIALS[name]().kind, "cast": cast, "policies": {}}
+    noise = Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16).losses(steps)
+    for policy, loss_scale in POLICIES.items():
+        runner = Runner(name, policy, loss_scale())
+        audit, grads = runner.audit(), gradient_row(runner.fidelity())
+        mixed = runner.losses(steps)
+        gap = float(np.mean(np.abs(np.subtract(mixed, fp32))))
+        floor = float(np.mean(np.abs(np.subtract(noise, fp32))))
+        row["policies"][policy] = {"audit": audit, "grads": grads, "gap": gap, "noise": floor,
+                                   "last": (mixed[-1], fp32[-1])}
+    return row
+
+
+def report(rows: dict, steps: int, argv) -> str:
+    lines = ["# Autocast on six outside model codebases (model code unchanged)", "",
+             f"- command: `{harness.command_line(__file__, argv)}`", f"- machine: {harness.machine()}",
+             f"- date: {harness.now()}", f"- {steps} training steps per run; Adam 1e-3; the trials' own batches", "",
+             "## What runs in half precision (the precision audit, forward and backward)", ""]
+    table = []
+    for name, r in rows.items():
+        first = r["cast"].fallbacks[0] if r["cast"].fallbacks else None
+        table.append([name, r["kind"], f"{100 * r['cast'].half_fraction:.1f}%",
+                      f"{first['source']}: {first['cause']}" if first else "-",
+                      *(f"{100 * p['audit'].half_fraction:.1f}%" for p in r["policies"].values())])
+    lines += harness.table(["model", "kind", "cast policy bf16", "its first float32 fall-back",
+                            *(f"{p}" for p in POLICIES)], table, "llrlrr")
+    lines += ["", "## Gradients against float32, and 40 steps against float32's own noise", ""]
+    table = []
+    for name, r in rows.items():
+        for policy, p in r["policies"].items():
+            g = p["grads"]
+            worst = f"{g['worst'][0]} {100 * g['worst'][1]:.2f}% (floor {100 * g['worst'][2]:.2f}%)" if g["worst"][0] \
+                else "-"
+            ratio = p["gap"] / p["noise"] if p["noise"] > 0 else float("inf")
+            table.append([name, policy, f"{g['within']}/{g['counted']}", str(g["near_zero"]), worst,
+                          f"{p['gap']:.2e}", f"{p['noise']:.2e}", f"{ratio:.2f}", "yes" if ratio <= 1.5 else "no"])
+    lines += harness.table(["model", "policy", "leaves within max(2%, 1.5x floor)", "near-zero leaves",
+                            "worst leaf (error / its noise floor)", "loss gap to fp32 (mean abs)",
+                            "fp32's own noise", "ratio", "within noise (<= 1.5)"], table, "llrrlrrrl")
+    lines += ["", "The noise floor of a leaf: its float32 gradient at the weights rounded once to bfloat16, "
+              "against the float32 gradient; float32's own noise: the float32 run from the weights rounded once to "
+              "bfloat16, against the float32 run. Batches are the trials' tiny ones (4 sequences or images),"
+              " so per-leaf errors of ill-conditioned models (BatchNorm at init) are large even for float32 rounding."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", nargs="*", default=list(TRIALS), choices=list(TRIALS))
+    parser.add_argument("--steps", type=int, default=40, help="training steps per run (default: %(default)s)")
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    args = parser.parse_args(argv)
+    harness.check_output(parser, "--out", args.out)
+    rows = {}
+    for name in args.trials:
+        try:
+            rows[name] = measure(name, args.steps)
+        except SourceUnavailable as err:
+            harness.log(f"{name}: skipped ({err})")
+        harness.log(f"{name} done")
+    harness.write_report(args.out, report(rows, args.steps, argv if argv is not None else sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
