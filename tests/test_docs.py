@@ -34,7 +34,7 @@ NOT_RUN = "<!-- not-run -->"
 SETTINGS = re.compile(r"<!--\s*docs-test:(.*?)-->", re.S)
 SETTING_KEYS = {"continues", "devices", "promotion"}
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
-SLOW_PAGES = {"docs/guide/nnx.md", "docs/guide/scale-out.md", "docs/guide/fp8.md", "docs/guide/diagnostics.md",
+SLOW_PAGES = {"docs/guide/autocast.md", "docs/guide/nnx.md", "docs/guide/scale-out.md", "docs/guide/fp8.md", "docs/guide/diagnostics.md",
               "docs/guide/checkpoints.md", "docs/guide/policies.md", "docs/guide/own-model.md"}
 
 # The public names the API reference must hold: every public library module's __all__, and the application's entry
@@ -190,8 +190,16 @@ def check_diagnostics(lines):
     assert lines[7] == "2", lines
 
 
+def check_autocast(lines):
+    assert lines[:2] == ["True float32", "1.0"], lines  # trained, float32 master weights; every matmul in bf16
+    assert lines[2] == "{'bfloat16'}", lines  # forward and backward matmuls of autocast's x @ w: bfloat16
+    assert float(lines[3]) > 0, lines
+    assert lines[4] == "0.0 True", lines  # the cast policy: every matmul float32, because the images are float32
+
+
 CHECKS = {
     "README.md": check_readme,
+    "docs/guide/autocast.md": check_autocast,
     "docs/guide/own-model.md": check_own_model,
     "docs/guide/loss-scaling.md": check_loss_scaling,
     "docs/guide/policies.md": check_policies,
