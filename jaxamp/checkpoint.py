@@ -82,10 +82,12 @@ from jaxamp.checkpoint_record import (
     READABLE_FORMATS,
     config_digest,
     integrity_record,
+    legacy_target,
     mismatch,
     seal_intact,
     sealed,
     verify,
+    with_counter,
 )
 from jaxamp.loss_scale import LossScale, from_description
 from jaxamp.state import TrainState
@@ -516,11 +518,12 @@ class Checkpointer:
             # 1. The JSON items only: config, integrity record (and the metrics copy when the record lists one).
             config, record = self._read_meta(reader, n)
             # 2. Settings and structure: a mismatch means the user changed settings, so it is raised, not skipped.
-            problem = mismatch(n, self._dir, config, record, target, expected_config, match_keys)
+            saved_as = legacy_target(record, target)  # a state saved before it held consecutive_skips
+            problem = mismatch(n, self._dir, config, record, saved_as, expected_config, match_keys)
             if problem:
                 raise CheckpointMismatchError(problem)
             # 3. The arrays, into the abstract target (after one cheap read of the array database's index).
-            state = self._read_arrays(reader, n, target)
+            state = self._read_arrays(reader, n, saved_as)
         # 4. Recompute digests.
         bad, unverified = verify(state, record)
         if bad:
@@ -529,7 +532,7 @@ class Checkpointer:
             warnings.warn(
                 f"checkpoint step {n} in {self._dir}: {len(unverified)} leaves could not be verified on this shard "
                 f"layout (saved with another one): {unverified[:5]}", stacklevel=2)
-        return state, config
+        return with_counter(state, target), config
 
     @staticmethod
     def _read_arrays(reader: storage.Reader, n: int, target) -> TrainState:

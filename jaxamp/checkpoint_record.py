@@ -17,19 +17,24 @@ import os
 import re
 from typing import Any
 
+import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxamp.loss_scale import describe
 from jaxamp.precision import policy_name
 from jaxamp.state import TrainState
 
-__all__ = ["FORMAT", "READABLE_FORMATS", "allgather_json", "config_digest", "digests", "host_array", "index_str",
-           "integrity_record", "leaf_dtype", "loss_scale_record", "mismatch", "parse_index", "seal_intact", "sealed",
-           "sha256", "structure_string", "verify"]
+__all__ = ["FORMAT", "NEW_IN_FORMAT_3", "READABLE_FORMATS", "allgather_json", "config_digest", "digests", "host_array",
+           "index_str", "integrity_record", "leaf_dtype", "legacy_target", "loss_scale_record", "mismatch",
+           "parse_index", "seal_intact", "sealed", "sha256", "structure_string", "verify", "with_counter"]
 
-FORMAT = 2  # 2 adds record_sha256, the record's own digest; format-1 records are still read
-READABLE_FORMATS = (1, 2)
+# 2 adds record_sha256, the record's own digest; 3: the TrainState holds consecutive_skips (and model_state). Records
+# of formats 1 and 2 are still read: their states restore with consecutive_skips 0 (see `legacy_target`).
+FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
+NEW_IN_FORMAT_3 = ".consecutive_skips"  # the leaf a state of format 1 or 2 lacks
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
 
 def host_array(x) -> np.ndarray:
@@ -235,6 +240,55 @@ def _leaves_mismatch(where: str, record: dict, target) -> str | None:
             return (f"{where} was saved with {key} as {saved.get('dtype')}{saved.get('shape')} but this run has "
                     f"{this['dtype']}{this['shape']}")
     return None
+
+
+def _legacy_class():
+    """The `TrainState` of formats 1 and 2: the same fields without `model_state` and `consecutive_skips`. Named
+    `TrainState` too, so its structure string is the one those records hold; orbax restores into it by field name."""
+
+    @flax.struct.dataclass
+    class TrainState:  # noqa: D401 - the old state's shape only
+        step: Any
+        params: Any
+        opt_state: Any
+        loss_scale: Any
+        rng: Any
+        tx: Any = flax.struct.field(pytree_node=False)
+        policy: Any = flax.struct.field(pytree_node=False)
+        trainable: Any = flax.struct.field(pytree_node=False, default=None)
+
+    return TrainState
+
+
+_LEGACY_STATE = _legacy_class()
+
+
+def legacy_target(record: dict, target):
+    """The restore target of a record written before the state held `consecutive_skips` and `model_state` (format
+    1 or 2: no such leaf): the old state's shape with `target`'s fields, whose structure string and saved tree are
+    the ones that record describes; else `target` itself. `with_counter` turns what it restores into `target`'s
+    type, the counter at 0."""
+    if record.get("format", FORMAT) >= 3 or NEW_IN_FORMAT_3 in (record.get("leaves") or {}):
+        return target
+    if getattr(target, "consecutive_skips", None) is None or target.model_state is not None:
+        return target  # (a target with a model state does not fit an old record: the checks say so)
+    return _LEGACY_STATE(step=target.step, params=target.params, opt_state=target.opt_state,
+                         loss_scale=target.loss_scale, rng=target.rng, tx=target.tx, policy=target.policy,
+                         trainable=target.trainable)
+
+
+def with_counter(state, target):
+    """`state` as `target`'s type: a state restored into a `legacy_target` gets `consecutive_skips` 0 (on the
+    target's sharding) and no model state; any other state is returned as it is."""
+    if not isinstance(state, _LEGACY_STATE):
+        return state
+    counter = target.consecutive_skips
+    zero = jnp.zeros(counter.shape, counter.dtype)
+    sharding = getattr(counter, "sharding", None)
+    return type(target)(step=state.step, params=state.params, opt_state=state.opt_state,
+                        loss_scale=state.loss_scale, rng=state.rng, tx=state.tx, policy=state.policy,
+                        trainable=state.trainable, model_state=None,
+                        consecutive_skips=zero if sharding is None else jax.device_put(zero, sharding))
 
 
 def _structure_mismatch(where: str, record: dict, target) -> str | None:

@@ -24,27 +24,70 @@ from jaxamp.trainable import merge_frozen, split_frozen
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, Any], Any]
 
-__all__ = ["Grads", "LossFn", "compute_loss", "gradients", "split_loss"]
+__all__ = ["Grads", "LossFn", "WeightedLoss", "compute_loss", "gradients", "split_loss", "split_weighted"]
+
+
+class WeightedLoss(NamedTuple):
+    """A loss normalised by the step's count of what it averages (tokens), for exact gradient accumulation.
+
+    Return it from `loss_fn` (alone or as `(WeightedLoss(...), aux)`) instead of a mean when micro-batches hold
+    different counts (a masked, padded batch): `train_step` then takes the mean over the whole step,
+    `sum(total_i) / sum(count_i)` over its micro-batches (and devices, with `axis_name`), and its gradient, exact to
+    float32 rounding against the full batch. A mean of the micro-batches' means would weight a micro-batch of 6
+    tokens as much as one of 23 (transformers #24725). Each micro-batch is differentiated as its own mean,
+    `total / max(count, 1)` (so a float16 loss scale sees mean-sized gradients), and weighted by its count.
+
+    Attributes:
+      total: f32[] the sum of the per-token losses (masked tokens excluded).
+      count: f32[] how many tokens `total` sums (>= 0; a micro-batch of 0 contributes nothing).
+    """
+
+    total: Any
+    count: Any
 
 
 def split_loss(out) -> tuple[jax.Array, Any]:
-    """`loss_fn` returns a scalar loss or `(loss, aux)`; returns `(f32[] loss, aux or None)`.
+    """`loss_fn` returns a scalar loss or `(loss, aux)`; returns `(f32[] loss, aux or None)`. A `WeightedLoss` comes
+    back as its mean, `total / max(count, 1)` (see `split_weighted`).
 
     Raises:
       ValueError: anything else (a list, a dict, a 3-tuple, None, a non-scalar or a non-float loss).
     """
+    loss, aux, _ = split_weighted(out)
+    return loss, aux
+
+
+def split_weighted(out) -> tuple[jax.Array, Any, jax.Array | None]:
+    """`(f32[] loss, aux or None, f32[] count or None)` of what `loss_fn` returned; for a `WeightedLoss` the loss is
+    its mean over its count and the count is returned too (None for a plain loss).
+
+    Raises:
+      ValueError: as `split_loss`.
+    """
+    if isinstance(out, WeightedLoss):
+        out = (out, None)
+    if isinstance(out, tuple) and not isinstance(out, WeightedLoss) and len(out) == 2 \
+            and isinstance(out[0], WeightedLoss):
+        weighted, aux = out
+        count = _scalar(weighted.count, "WeightedLoss.count")
+        total = _scalar(weighted.total, "WeightedLoss.total")
+        return total / jnp.maximum(count, 1.0), aux, count
     if isinstance(out, tuple) and len(out) != 2 or isinstance(out, (list, dict)) or out is None:
         what = f"a {len(out)}-tuple" if isinstance(out, tuple) else type(out).__name__
         raise ValueError(f"loss_fn must return a scalar loss or a (loss, aux) tuple, got {what}; put everything "
                          "besides the loss into aux, e.g. return loss, {'accuracy': acc}")
     loss, aux = out if isinstance(out, tuple) else (out, None)
+    return _scalar(loss, "loss"), aux, None
+
+
+def _scalar(loss, what: str) -> jax.Array:
     loss = jnp.asarray(loss)
     if loss.shape != ():
-        raise ValueError(f"loss_fn must return a scalar loss (or (loss, aux)), got shape {loss.shape}")
-    if not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise ValueError(f"loss_fn must return a real floating-point loss, got {loss.dtype} (an integer loss has no "
-                         "gradient; a complex one has no order)")
-    return loss.astype(jnp.float32), aux
+        raise ValueError(f"loss_fn must return a scalar {what} (or (loss, aux)), got shape {loss.shape}")
+    if not jnp.issubdtype(loss.dtype, jnp.floating) and what != "WeightedLoss.count":
+        raise ValueError(f"loss_fn must return a real floating-point {what}, got {loss.dtype} (an integer loss has "
+                         "no gradient; a complex one has no order)")
+    return loss.astype(jnp.float32)
 
 
 class Grads(NamedTuple):
@@ -56,6 +99,7 @@ class Grads(NamedTuple):
     stats: Any  # underflow_stats dict (averaged over micro-batches; min headroom) or None
     fp8: Any = None  # the FP8 collection's new values (float32, loss-scale free), or None without FP8 ops
     carry: Any = None  # a stateful loss_fn's state after the step's micro-batches, or None
+    weight: Any = None  # f32[] the WeightedLoss counts summed over micro-batches (and devices), or None
 
 
 def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
@@ -74,13 +118,13 @@ def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
             out, new_carry = loss_fn(params, batch, rng), None
         else:
             out, new_carry = loss_fn(params, batch, rng, carry)
-        loss, aux = split_loss(out)
-        return loss_scale.scale(loss), (loss, aux, new_carry)
+        loss, aux, count = split_weighted(out)
+        return loss_scale.scale(loss), (loss, aux, new_carry, count)
 
     grad_fn = fp8c.differentiable(jax.grad(scaled_loss, argnums=(0, 1), has_aux=True), fp8)
-    (grads_c, fp8_grad), (loss, aux, new_carry) = grad_fn(
+    (grads_c, fp8_grad), (loss, aux, new_carry, count) = grad_fn(
         train_c, fp8c.scaled(fp8, loss_scale), frozen_c, batch, rng, carry, loss_scale)
-    return grads_c, loss, fp8c.as_float32(aux), fp8c.new_values(fp8_grad, loss_scale), new_carry
+    return grads_c, loss, fp8c.as_float32(aux), fp8c.new_values(fp8_grad, loss_scale), new_carry, count
 
 
 def compute_loss(policy, loss_fn: Callable) -> Callable:
@@ -118,13 +162,15 @@ def split_micro(batch: PyTree, accum_steps: int) -> PyTree:
 
 
 def gradients(state: TrainState, batch: PyTree, loss_fn: Callable, loss_scale, rng: jax.Array, accum_steps: int = 1,
-              with_stats: bool = False, carry: PyTree = None) -> Grads:
+              with_stats: bool = False, carry: PyTree = None, axis_name: Any = None) -> Grads:
     """Float32 unscaled gradients of `state`'s trainable params under its policy, scaled by `loss_scale`.
 
     Steps 1-5 of `train_step`: cast the master params to the compute dtype, the loss in float32, times the loss
     scale, the gradient with respect to the compute-dtype params, unscaled in float32; with `accum_steps` > 1 per
-    micro-batch (one `lax.scan`, a float32 accumulator), averaged. The FP8 collection's new values combine over
-    micro-batches by element-wise maximum. A stateful `loss_fn`'s `carry` runs through the micro-batches in order.
+    micro-batch (one `lax.scan`, a float32 accumulator), averaged (a `WeightedLoss` weighted by its counts). The FP8
+    collection's new values combine over micro-batches by element-wise maximum. A stateful `loss_fn`'s `carry` runs
+    through the micro-batches in order. With `axis_name` (inside `jax.pmap` or `shard_map`) the gradients, the loss
+    and the statistics are averaged over that axis (a `WeightedLoss` by its counts), so every device holds the same.
 
     Args:
       state: the `TrainState` (its params, policy and trainable mask).
@@ -135,6 +181,7 @@ def gradients(state: TrainState, batch: PyTree, loss_fn: Callable, loss_scale, r
       accum_steps: micro-batches.
       with_stats: also return `jaxamp.grad_stats.underflow_stats` of the scaled gradients.
       carry: the stateful loss's state, or None.
+      axis_name: a mapped axis to average over (`jax.pmap(..., axis_name=...)`, `shard_map`), or None.
 
     Returns:
       A `Grads`.
@@ -145,28 +192,60 @@ def gradients(state: TrainState, batch: PyTree, loss_fn: Callable, loss_scale, r
     params_c = (train_c, frozen_c, fp8)
     stats_of = underflow_stats if with_stats else (lambda g: None)
     if accum_steps == 1:
-        grads_c, loss, aux, fp8_new, carry = _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry)
-        return Grads(loss_scale.unscale(grads_c), loss, aux, stats_of(grads_c), fp8_new, carry)
+        grads_c, loss, aux, fp8_new, carry, count = _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry)
+        g = Grads(loss_scale.unscale(grads_c), loss, aux, stats_of(grads_c), fp8_new, carry, count)
+    else:
+        g = _accumulated(loss_fn, loss_scale, params_c, state, batch, rng, accum_steps, stats_of, with_stats, carry)
+    return _across_devices(g, axis_name)
+
+
+def _accumulated(loss_fn, loss_scale, params_c, state, batch, rng, accum_steps, stats_of, with_stats, carry) -> Grads:
+    """`gradients` over `accum_steps` micro-batches in one `lax.scan`: float32 sums weighted by each micro-batch's
+    count (1 for a plain loss: then the mean of the micro-batches)."""
+    weighted = []  # set while the body is traced: whether loss_fn returns a WeightedLoss
 
     def body(scan_carry, xs):
-        acc, loss_sum, stats_acc, fp8_acc, carry = scan_carry
+        acc, loss_sum, weight_sum, stats_acc, fp8_acc, carry = scan_carry
         micro, i = xs
-        grads_c, loss, aux, fp8_new, carry = _micro_grads(loss_fn, loss_scale, params_c, micro,
-                                                          jax.random.fold_in(rng, i), carry)
-        acc = jax.tree.map(jnp.add, acc, loss_scale.unscale(grads_c))
+        grads_c, loss, aux, fp8_new, carry, count = _micro_grads(loss_fn, loss_scale, params_c, micro,
+                                                                 jax.random.fold_in(rng, i), carry)
+        weighted.append(count is not None)
+        w = jnp.ones((), jnp.float32) if count is None else count
+        acc = jax.tree.map(lambda a, g: a + w * g, acc, loss_scale.unscale(grads_c))
         stats = stats_of(grads_c)
         if stats is not None:
             stats = stats if stats_acc is None else _combine_stats(stats_acc, stats)
-        return (acc, loss_sum + loss, stats, fp8c.combine(fp8_acc, fp8_new), carry), aux
+        return (acc, loss_sum + w * loss, weight_sum + w, stats, fp8c.combine(fp8_acc, fp8_new), carry), aux
 
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), state.trainable_params())
-    (acc, loss_sum, stats, fp8_new, carry), aux = jax.lax.scan(
-        body, (zeros, jnp.zeros((), jnp.float32), _initial_stats(train_c, with_stats), fp8c.zeros_like(fp8), carry),
+    zero = jnp.zeros((), jnp.float32)
+    (acc, loss_sum, weight_sum, stats, fp8_new, carry), aux = jax.lax.scan(
+        body, (zeros, zero, zero, _initial_stats(params_c[0], with_stats), fp8c.zeros_like(params_c[2]), carry),
         (split_micro(batch, accum_steps), jnp.arange(accum_steps)))
     if stats is not None:
         stats = {k: (jax.tree.map(lambda v: v / accum_steps, v) if "zero" in k else v) for k, v in stats.items()}
-    grads = jax.tree.map(lambda g: g / accum_steps, acc)
-    return Grads(grads, loss_sum / accum_steps, aux, stats, fp8_new, carry)
+    total = jnp.maximum(weight_sum, 1.0)  # accum_steps for a plain loss; a step of 0 tokens has zero gradients
+    grads = jax.tree.map(lambda g: g / total, acc)
+    return Grads(grads, loss_sum / total, aux, stats, fp8_new, carry, weight_sum if weighted[0] else None)
+
+
+def _across_devices(g: Grads, axis_name) -> Grads:
+    """`g` averaged over the mapped axis `axis_name` (None: as it is): the gradients and the loss by the mean (a
+    `WeightedLoss` by its counts), zero fractions by the mean and headroom by the minimum, the FP8 collection's new
+    values by the maximum. The carry and aux stay per device."""
+    if axis_name is None:
+        return g
+    if g.weight is None:
+        grads, loss, weight = jax.lax.pmean((g.grads, g.loss), axis_name) + (None,)
+    else:
+        weight = jax.lax.psum(g.weight, axis_name)
+        total = jnp.maximum(weight, 1.0)
+        grads = jax.tree.map(lambda x: jax.lax.psum(x * g.weight, axis_name) / total, g.grads)
+        loss = jax.lax.psum(g.loss * g.weight, axis_name) / total
+    stats = None if g.stats is None else {
+        k: jax.lax.pmean(v, axis_name) if "zero" in k else jax.lax.pmin(v, axis_name) for k, v in g.stats.items()}
+    fp8 = jax.tree.map(lambda x: jax.lax.pmax(x, axis_name), g.fp8)
+    return g._replace(grads=grads, loss=loss, stats=stats, fp8=fp8, weight=weight)
 
 
 def _initial_stats(train_c: PyTree, with_stats: bool):

@@ -20,6 +20,9 @@ STEP_METRICS: dict[str, tuple[str, str]] = {
     "grads_finite_leaves": ("tree of bool[]", "per params leaf, like the params: which leaves overflowed (None "
                                               "at frozen leaves); jaxamp.grad_stats.nonfinite_paths names them"),
     "retries": ("i32[]", "recomputations of the batch at a backed-off scale (on_overflow='retry'; else 0)"),
+    "consecutive_skips": ("i32[]", "skipped steps in a row, this one included (0 after an applied step): a loop "
+                                   "can stop on it"),
+    "loss_weight": ("f32[]", "a WeightedLoss only: the step's count (tokens) over its micro-batches and devices"),
     "nonfinite_at_min_scale": ("bool[]", "on_overflow='retry' only: the probe at the lowest scale overflowed too, "
                                          "so the scale was not the cause"),
     "aux": ("loss_fn's aux", "what loss_fn returned beside the loss (stacked [accum_steps, ...] under accumulation)"),

@@ -83,7 +83,9 @@ class Policy(jmp.Policy):
 
     keep_float32: tuple[str, ...] = ()
     fp8: bool = False
-    autocast: bool = False
+    # Not in the repr, which checkpoint records hold in their structure string: records written before the field
+    # existed must keep matching. The policy's name (`policy_name`), recorded and compared too, says "autocast".
+    autocast: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         # A string would be read as one pattern per character, and "*" keeps every leaf float32.

@@ -96,6 +96,11 @@ class TrainState:
       trainable: None (every params leaf trains) or a tuple of bools, one per params leaf in
         `jax.tree.leaves(params)` order (static; `TrainState.create` builds it from its `trainable` argument). Frozen
         leaves are not differentiated, hold no optimizer state and come back bitwise unchanged.
+      model_state: the model's mutable collections that are not trained (BatchNorm's `batch_stats`), or None:
+        `loss_fn(params, batch, rng, model_state)` returns `(loss | (loss, aux), new_model_state)` and `train_step`
+        keeps the new one (see it). Checkpointed with the rest.
+      consecutive_skips: i32[] steps skipped in a row so far (0 after an applied step), or None for a state built
+        by hand without it (then `train_step` reports the count from 0 and does not store it).
     """
 
     step: jax.Array
@@ -106,6 +111,8 @@ class TrainState:
     tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
     policy: jmp.Policy = flax.struct.field(pytree_node=False)
     trainable: tuple[bool, ...] | None = flax.struct.field(pytree_node=False, default=None)
+    model_state: PyTree = None
+    consecutive_skips: jax.Array | None = None
 
     def trainable_params(self, params: PyTree | None = None) -> PyTree:
         """`params` (default: `self.params`) without the FP8 collection and with every frozen leaf replaced by None:
@@ -153,6 +160,7 @@ class TrainState:
         loss_scale: LossScale,
         rng: jax.Array,
         trainable: PyTree | Callable[[tuple, jax.Array], bool] | None = None,
+        model_state: PyTree = None,
     ) -> TrainState:
         """Casts `params` to the policy's param dtype, initialises `tx` on the trainable ones, and sets `step` to 0.
 
@@ -201,7 +209,7 @@ class TrainState:
         params = merge_fp8(regular, fp8)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and i32 counts (all float32 here)
             opt_state = tx.init(split_frozen(regular, mask)[0])
-        params, opt_state = _unalias((params, opt_state))
+        params, opt_state, model_state = _unalias((params, opt_state, model_state))
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -211,6 +219,8 @@ class TrainState:
             tx=tx,
             policy=policy,
             trainable=mask,
+            model_state=model_state,
+            consecutive_skips=jnp.zeros((), jnp.int32),
         )
 
 

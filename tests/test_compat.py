@@ -1,20 +1,35 @@
-"""Runs written by an earlier jaxamp resume bitwise: small workdirs committed under tests/data/pre_layout, made by
-jaxamp e8f75fa (before the library and the LM application were split into `jaxamp` and `jaxamp.lm`).
+"""Runs written by an earlier jaxamp resume: small workdirs committed under tests/data/pre_layout, made by jaxamp
+e8f75fa (before the library and the LM application were split into `jaxamp` and `jaxamp.lm`, and before the
+`TrainState` held `consecutive_skips` and `model_state`).
 
 Each workdir was trained to step 2 (checkpoints at step 2); the same command with --steps 4 was run from scratch
-by that version, and its step-4 checkpoint digests (sha256 of every array) and metrics records are the expected
-values. This version resumes the step-2 workdir to step 4 and must reproduce them exactly.
+by that version, and its step-4 checkpoint (every array: `*_step4_state.npz`, and their digests) and metrics records
+are the expected values. This version
+
+- restores the step-2 checkpoint bitwise: every restored array's sha256 equals the digest that version recorded;
+- resumes it to step 4: the first resumed step's loss is bitwise that version's (it is computed from the restored
+  weights), the later records and the step-4 weights and optimizer state equal that version's to float32 rounding.
+
+Why not bitwise to step 4: XLA compiles the whole step as one program, and its rounding of the optimizer update
+(fusions, FMA contraction) depends on that program; this version's step holds more (the skip counter, the rule that
+a non-finite loss leaves the scale alone), so its update rounds differently in the last bits. Resume within one
+version is bitwise (tests/test_train.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
+from jaxamp.checkpoint import Checkpointer
 from jaxamp.lm.config import TrainConfig
+from jaxamp.lm.setup import build
 from jaxamp.lm.train import train
 
 DATA = Path(__file__).resolve().parent / "data" / "pre_layout"
@@ -26,20 +41,53 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
-def test_a_workdir_of_the_earlier_layout_resumes_bitwise(tmp_path, name):
-    workdir = tmp_path / "run"
+def _copy(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    workdir, corpus = tmp_path / "run", tmp_path / "corpus.txt"
     shutil.copytree(DATA / f"{name}_step2", workdir)
-    corpus = tmp_path / "corpus.txt"
     shutil.copy(DATA / "corpus.txt", corpus)
+    return workdir, corpus
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_a_checkpoint_of_the_earlier_layout_restores_bitwise(tmp_path, name):
+    workdir, corpus = _copy(tmp_path, name)
+    run = build(TrainConfig(data=str(corpus), steps=4, workdir=str(workdir), **COMMON, **RUNS[name]))
+    with Checkpointer(workdir / "checkpoints") as ckpt:
+        state, _ = ckpt.restore(jax.eval_shape(lambda: run.state))
+    record = json.loads((workdir / "checkpoints" / "2" / "integrity" / "metadata").read_text())["leaves"]
+    flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    assert sorted(flat) == sorted([*record, ".consecutive_skips"])  # the same leaves, plus the new counter
+    for key, saved in record.items():
+        digest = hashlib.sha256(np.ascontiguousarray(flat[key]).reshape(-1).view(np.uint8)).hexdigest()
+        assert (str(flat[key].dtype), list(flat[key].shape), digest) == (saved["dtype"], saved["shape"],
+                                                                         saved["sha256"]), key
+    assert int(state.step) == 2 and int(state.consecutive_skips) == 0 and state.model_state is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_a_workdir_of_the_earlier_layout_resumes_to_the_same_run(tmp_path, name):
+    workdir, corpus = _copy(tmp_path, name)
     expected = json.loads((DATA / f"{name}_step4_expected.json").read_text())
     summary = train(TrainConfig(data=str(corpus), steps=4, workdir=str(workdir), **COMMON, **RUNS[name]))
     assert summary["steps"] == 4
-    leaves = json.loads((workdir / "checkpoints" / "4" / "integrity" / "metadata").read_text())["leaves"]
-    assert sorted(leaves) == sorted(expected["step4_leaves"])  # the same leaves first, then the same bytes
-    assert leaves == expected["step4_leaves"]
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     for record in records:
         record.pop("tokens_per_s")
     assert [sorted(r) for r in records] == [sorted(r) for r in expected["records"]]
-    assert records == expected["records"]
+    assert records[:3] == expected["records"][:3]  # steps 1-2 restored from the copy; step 3 from the same weights
+    for got, want in zip(records[3:], expected["records"][3:]):
+        for key, value in want.items():
+            if isinstance(value, float):
+                np.testing.assert_allclose(got[key], value, rtol=1e-5, err_msg=key)
+            else:
+                assert got[key] == value, key
+    old = np.load(DATA / f"{name}_step4_state.npz")
+    with Checkpointer(workdir / "checkpoints") as ckpt:
+        run = build(TrainConfig(data=str(corpus), steps=4, workdir=str(workdir), **COMMON, **RUNS[name]))
+        state, _ = ckpt.restore(jax.eval_shape(lambda: run.state), step=4)
+    flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    assert sorted(flat) == sorted([*old.files, ".consecutive_skips"])
+    for key in old.files:
+        assert flat[key].dtype == old[key].dtype and flat[key].shape == old[key].shape, key
+        np.testing.assert_allclose(flat[key], old[key], rtol=2e-5, atol=1e-7, err_msg=key)
