@@ -47,6 +47,9 @@ HELP = {
             "memmap) and optionally meta.pkl (default: the Python standard library's own sources, no download)",
     "data_format": "how --data is read: auto (a directory: tokens, anything else: text) | text (a UTF-8 file) | "
                    "tokens (a directory of nanoGPT's train.bin/val.bin)",
+    "token_dtype": "token files' ids: auto (nanoGPT's uint16; a file that looks like uint32 ids, or a meta.pkl "
+                   "vocab_size above 65536, is refused naming the fix) | uint16 | uint32 (vocabularies above 65535); "
+                   "not a resume setting: a uint32 file's corpus checksum names its dtype",
     "tokenizer": "for a text file: char (one token per character) | bpe (byte-level BPE trained on the training "
                  "split with Hugging Face tokenizers, kept in WORKDIR/tokenizer; needs --vocab-size)",
     "vocab_size": "vocabulary size = embedding rows (bpe: the size to train, 256-65536; token files: default "

@@ -10,6 +10,7 @@ import math
 
 from jaxamp.lm.corpus import DATA_FORMATS, TOKENIZERS
 from jaxamp.lm.presets import MODEL_PRESETS, PRESET_FIELDS
+from jaxamp.lm.token_files import TOKEN_DTYPES
 from jaxamp.precision import get_policy
 from jaxamp.sharding import check_distributed_args, distributed_args_from_env, parse_mesh_spec
 
@@ -34,6 +35,7 @@ class TrainConfig:
 
     data: str | None = None  # UTF-8 text file, or a directory of nanoGPT train.bin/val.bin; None = stdlib sources
     data_format: str = "auto"  # auto (a directory: tokens, else text) | text | tokens
+    token_dtype: str = "auto"  # token files' ids: auto (uint16; files that are not are refused) | uint16 | uint32
     tokenizer: str = "char"  # char | bpe (byte-level BPE trained on the text, kept in WORKDIR/tokenizer); text only
     vocab_size: int | None = None  # ids (embedding rows); None = the characters' / meta.pkl's / 50304; bpe: required
     precision: str = "fp32"  # fp32 | bf16 | fp16 | a jmp policy string
@@ -98,6 +100,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--tokenizer must be one of {', '.join(TOKENIZERS)}, got {cfg.tokenizer!r}")
     if cfg.data_format != "auto" and cfg.data_format not in DATA_FORMATS:
         raise ConfigError(f"--data-format must be auto or one of {', '.join(DATA_FORMATS)}, got {cfg.data_format!r}")
+    if cfg.token_dtype not in TOKEN_DTYPES:
+        raise ConfigError(f"--token-dtype must be one of {', '.join(TOKEN_DTYPES)}, got {cfg.token_dtype!r}")
     if cfg.vocab_size is not None and cfg.vocab_size <= 0:
         raise ConfigError(f"--vocab-size must be > 0, got {cfg.vocab_size}")
     positive = {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "layers": cfg.layers,

@@ -80,7 +80,8 @@ class Corpus:
 
 
 def load_corpus(data: str | os.PathLike[str] | None, *, tokenizer: str = "char", vocab_size: int | None = None,
-                seq_len: int, bpe_dir: str | os.PathLike[str], data_format: str = "auto") -> Corpus:
+                seq_len: int, bpe_dir: str | os.PathLike[str], data_format: str = "auto",
+                token_dtype: str = "auto") -> Corpus:
     """Opens the training data; reads only (a new BPE tokenizer is returned in ``bpe_cache``, not written).
 
     Args:
@@ -93,19 +94,23 @@ def load_corpus(data: str | os.PathLike[str] | None, *, tokenizer: str = "char",
         bpe_dir: Where a BPE tokenizer of this run is kept (``WORKDIR/tokenizer``); read if present.
         data_format: One of ``DATA_FORMATS`` (``text``: a UTF-8 file; ``tokens``: a directory of nanoGPT token
             files), or ``auto``: ``tokens`` for a directory, ``text`` otherwise (see :func:`data_format_of`).
+        token_dtype: For token files, one of ``TOKEN_DTYPES`` (as :func:`jaxamp.lm.token_files.open_token_dir`);
+            text takes only ``auto`` (its BPE cache is always ``uint16``).
 
     Returns:
         The corpus.
 
     Raises:
         DataError: Bad data (as :func:`jaxamp.lm.data.load_text`, :func:`jaxamp.lm.token_files.open_token_dir`), a
-            format that does not fit the path, a vocabulary too small for the data or unlike the one ``bpe_dir``
-            was trained with, text unlike the text it was trained on, or a damaged ``bpe_dir``.
+            format that does not fit the path, a ``token_dtype`` other than ``auto`` for text, a vocabulary too
+            small for the data or unlike the one ``bpe_dir`` was trained with, text unlike the text it was trained
+            on, or a damaged ``bpe_dir``.
     """
     if tokenizer not in TOKENIZERS:
         raise DataError(f"--tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
     load = DATA_FORMATS[data_format_of(data, data_format)]
-    return load(data, tokenizer=tokenizer, vocab_size=vocab_size, seq_len=seq_len, bpe_dir=Path(bpe_dir))
+    return load(data, tokenizer=tokenizer, vocab_size=vocab_size, seq_len=seq_len, bpe_dir=Path(bpe_dir),
+                token_dtype=token_dtype)
 
 
 def data_format_of(data: str | os.PathLike[str] | None, data_format: str = "auto") -> str:
@@ -133,18 +138,24 @@ def data_format_of(data: str | os.PathLike[str] | None, data_format: str = "auto
     return data_format
 
 
-def _token_corpus(data, *, tokenizer: str, vocab_size: int | None, seq_len: int, bpe_dir: Path) -> Corpus:
+def _token_corpus(data, *, tokenizer: str, vocab_size: int | None, seq_len: int, bpe_dir: Path,
+                  token_dtype: str = "auto") -> Corpus:
     del bpe_dir
     if tokenizer == "bpe":
         raise DataError(f"--tokenizer bpe trains on a text file, but {data} is a directory of token ids "
                         "(nanoGPT's train.bin/val.bin); drop --tokenizer or pass a text file")
-    d = open_token_dir(data, vocab_size=vocab_size, seq_len=seq_len)
+    d = open_token_dir(data, vocab_size=vocab_size, seq_len=seq_len, token_dtype=token_dtype)
     kind = "characters of meta.pkl" if d.tokenizer else "token ids, no tokenizer to decode them"
+    width = "" if d.train.dtype == "<u2" else "uint32 "
     return Corpus(d.train, d.val, d.vocab_size, d.tokenizer, d.sha256, 1.0 if d.tokenizer else None,
-                  f"{data} (nanoGPT token files, {kind})")
+                  f"{data} (nanoGPT {width}token files, {kind})")
 
 
-def _text_corpus(data, *, tokenizer: str, vocab_size: int | None, seq_len: int, bpe_dir: Path) -> Corpus:
+def _text_corpus(data, *, tokenizer: str, vocab_size: int | None, seq_len: int, bpe_dir: Path,
+                 token_dtype: str = "auto") -> Corpus:
+    if token_dtype != "auto":
+        raise DataError(f"--token-dtype {token_dtype} reads nanoGPT token files, but "
+                        f"{data if data is not None else 'the default data'} is text; drop --token-dtype")
     text = load_text(data)
     source = "the Python standard library's sources" if data is None else str(data)
     if tokenizer == "bpe":
@@ -210,7 +221,7 @@ def _read_bpe_cache(bpe_dir: Path, text_sha: str, vocab_size: int, seq_len: int)
     tok = BPETokenizer.from_json(tok_json, str(bpe_dir / "tokenizer.json"))
     files = []
     for split in ("train", "val"):
-        file = token_file(bpe_dir, f"{split}.bin", seq_len)
+        file = token_file(bpe_dir, f"{split}.bin", seq_len, "uint16")  # write_bpe_cache's dtype
         if file.length != meta.get(f"{split}_tokens") or _file_sha256(file.path) != meta.get(f"{split}_sha256"):
             raise DataError(f"{file.path} is not the file meta.json describes (length or sha256 differs); {fix}")
         fingerprint(file, tok.vocab_size)  # ids below the tokenizer's vocabulary
@@ -249,7 +260,7 @@ def write_bpe_cache(cache: BPECache, bpe_dir: str | os.PathLike[str]) -> None:
     (tmp / "tokenizer.json").write_text(cache.tokenizer.to_json(), encoding="utf-8")
     meta = dict(cache.meta)
     for split, ids in (("train", cache.train), ("val", cache.val)):
-        write_tokens(tmp / f"{split}.bin", ids)
+        write_tokens(tmp / f"{split}.bin", ids, "uint16")  # a BPE vocabulary has at most 65,536 ids
         meta[f"{split}_sha256"] = _file_sha256(tmp / f"{split}.bin")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, bpe_dir)

@@ -288,21 +288,24 @@ class CharDataset:
 
 @dataclasses.dataclass(frozen=True)
 class TokenFile:
-    """A flat file of little-endian ``uint16`` token ids (nanoGPT's ``train.bin``), read through ``numpy.memmap``.
+    """A flat file of little-endian ``uint16`` token ids (nanoGPT's ``train.bin``), or ``uint32`` ones, read through
+    ``numpy.memmap``.
 
     Attributes:
         path: The file.
-        length: Number of tokens (the file's size in bytes / 2).
+        length: Number of tokens (the file's size in bytes / the id's width).
+        dtype: The ids' numpy dtype: ``"<u2"`` (nanoGPT's) or ``"<u4"``.
     """
 
     path: Path
     length: int
+    dtype: str = "<u2"
 
     def __len__(self) -> int:
         return self.length
 
     def open(self) -> np.memmap:
-        """A fresh read-only ``u16[length]`` memmap of the file; reads nothing yet.
+        """A fresh read-only ``u16[length]`` (or ``u32``) memmap of the file; reads nothing yet.
 
         Dropping its last reference unmaps it, which takes the pages it touched
         out of the process's resident set (nanoGPT re-creates its memmap per
@@ -311,7 +314,7 @@ class TokenFile:
         ``MADV_RANDOM`` where the OS has it: windows are random, so the kernel
         reads only their pages, with no readahead around them.
         """
-        memmap = np.memmap(self.path, dtype="<u2", mode="r", shape=(self.length,))
+        memmap = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.length,))
         raw = getattr(memmap, "_mmap", None)  # numpy's mmap.mmap object (absent for an empty file)
         if raw is not None and hasattr(mmap, "MADV_RANDOM"):
             raw.madvise(mmap.MADV_RANDOM)
@@ -374,17 +377,18 @@ def batch_at(
     if rows is not None:
         offsets = offsets[rows]  # the same draws as the whole batch, then only these rows gathered
     index = offsets[:, None] + np.arange(seq_len + 1)[None, :]  # int64[batch, seq + 1]
-    windows = _gather(tokens, index)  # i32[batch, seq + 1]
+    windows = _gather(tokens, index)  # i64[batch, seq + 1]: a uint32 id is checked before it becomes an int32
     if vocab_size is not None and windows.size and windows.max() >= vocab_size:
         _raise_out_of_vocab(source, windows, index, vocab_size)
+    windows = windows.astype(np.int32)  # i32[batch, seq + 1]
     return windows[:, :-1], windows[:, 1:]
 
 
 def _gather(tokens: np.ndarray | TokenFile, index: np.ndarray) -> np.ndarray:
-    """``i32[*index.shape]`` ``tokens[index]``, a plain array; a TokenFile is mapped afresh every 8 rows."""
+    """``i64[*index.shape]`` ``tokens[index]``, a plain array; a TokenFile is mapped afresh every 8 rows."""
     if not isinstance(tokens, TokenFile):
-        return np.array(tokens[index], dtype=np.int32)
-    windows = np.empty(index.shape, np.int32)
+        return np.array(tokens[index], dtype=np.int64)
+    windows = np.empty(index.shape, np.int64)
     for start in range(0, len(index), _WINDOWS_PER_MAP):
         rows = slice(start, start + _WINDOWS_PER_MAP)
         windows[rows] = tokens.open()[index[rows]]  # the memmap is dropped (unmapped) at once

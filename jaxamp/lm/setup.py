@@ -157,7 +157,7 @@ def build(cfg: TrainConfig) -> Run:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     dataset = load_corpus(cfg.data, data_format=cfg.data_format, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size,
-                          seq_len=cfg.seq_len, bpe_dir=Path(cfg.workdir) / BPE_DIR)
+                          seq_len=cfg.seq_len, bpe_dir=Path(cfg.workdir) / BPE_DIR, token_dtype=cfg.token_dtype)
     policy = make_policy(cfg.precision)
     model_cfg = TransformerConfig(vocab_size=dataset.vocab_size, seq_len=cfg.seq_len,
                                   num_layers=cfg.layers, num_heads=cfg.heads, width=cfg.width, dropout=cfg.dropout,
