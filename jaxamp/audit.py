@@ -16,7 +16,8 @@ forward and backward:
   precision than the format absorbs: once a running sum is about 2^8 (bfloat16) or 2^11 (float16) times one
   contribution, further ones round away (Micikevicius et al., 2018, accumulate in float32 for this reason).
 
-`train_step` calls `warn_if_degraded` when it is traced under a half-precision policy: one `PrecisionWarning` per
+`train_step` audits the very program it runs (traced once, `jaxamp.gradients.traced_gradients`) and, under a
+half-precision policy, calls `warn_if_degraded`: one `PrecisionWarning` per
 compilation when under 90% of the matmul FLOPs run in half precision or a half-precision accumulation passes its
 format's limit, naming the largest source.
 """
@@ -381,8 +382,9 @@ def precision_audit(state, batch: PyTree, loss_fn, *, accum_steps: int = 1, carr
     return audit_jaxpr(closed, policy=policy_name(state.policy), compute_dtype=state.policy.compute_dtype)
 
 
-def check_step(state, batch: PyTree, loss_fn, accum_steps: int, carry: PyTree, *, where: str) -> None:
-    """What `train_step` runs while it is traced: under a half-precision policy, audits the step and warns
-    (`warn_if_degraded`), once per trace, i.e. once per compilation of a jitted step."""
-    if _is_half(state.policy.compute_dtype):
-        warn_if_degraded(precision_audit(state, batch, loss_fn, accum_steps=accum_steps, carry=carry), where=where)
+def check_program(closed_jaxpr, policy, *, where: str) -> None:
+    """What `train_step` runs while it is traced: under a half-precision policy, audits the step's gradient program
+    (the one it runs) and warns (`warn_if_degraded`), once per trace, i.e. once per compilation of a jitted step."""
+    if _is_half(policy.compute_dtype):
+        report = audit_jaxpr(closed_jaxpr, policy=policy_name(policy), compute_dtype=policy.compute_dtype)
+        warn_if_degraded(report, where=where)

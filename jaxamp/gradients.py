@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 
 from jaxamp import fp8_collection as fp8c
 from jaxamp.autocasting import autocast
@@ -24,7 +25,8 @@ from jaxamp.trainable import merge_frozen, split_frozen
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, Any], Any]
 
-__all__ = ["Grads", "LossFn", "WeightedLoss", "compute_loss", "gradients", "split_loss", "split_weighted"]
+__all__ = ["Grads", "LossFn", "WeightedLoss", "compute_loss", "gradients", "split_loss", "split_weighted",
+           "traced_gradients"]
 
 
 class WeightedLoss(NamedTuple):
@@ -197,6 +199,25 @@ def gradients(state: TrainState, batch: PyTree, loss_fn: Callable, loss_scale, r
     else:
         g = _accumulated(loss_fn, loss_scale, params_c, state, batch, rng, accum_steps, stats_of, with_stats, carry)
     return _across_devices(g, axis_name)
+
+
+def traced_gradients(state: TrainState, batch: PyTree, loss_fn: Callable, loss_scale, rng: jax.Array,
+                     accum_steps: int = 1, with_stats: bool = False, carry: PyTree = None,
+                     axis_name: Any = None) -> tuple[Grads, Any]:
+    """`gradients`, traced once to a program that is then run, and that program: `(Grads, closed jaxpr)`.
+
+    `train_step` reads the program (`jaxamp.audit`: what runs in which precision, forward and backward) and runs
+    the very same one, so `loss_fn` is traced once per compilation, audit included. Inside an outer `jit`, `pmap`
+    or `shard_map` the program is bound into the caller's trace, as a direct call would be.
+    """
+
+    def run(state, batch, loss_scale, rng, carry):
+        return gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, with_stats, carry, axis_name)
+
+    args = (state, batch, loss_scale, rng, carry)
+    closed, shapes = jax.make_jaxpr(run, return_shape=True)(*args)
+    out = jex_core.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+    return jax.tree.unflatten(jax.tree.structure(shapes), out), closed
 
 
 def _accumulated(loss_fn, loss_scale, params_c, state, batch, rng, accum_steps, stats_of, with_stats, carry) -> Grads:

@@ -13,7 +13,7 @@ import optax
 from jaxamp import audit, finite
 from jaxamp import fp8_collection as fp8c
 from jaxamp.fp8_collection import merge_fp8, split_fp8
-from jaxamp.gradients import LossFn, compute_loss, gradients, split_loss
+from jaxamp.gradients import LossFn, compute_loss, gradients, split_loss, traced_gradients
 from jaxamp.metrics import step_metrics
 from jaxamp.state import TrainState
 from jaxamp.trainable import merge_frozen, split_frozen
@@ -28,7 +28,8 @@ def select_tree(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
     return jax.tree.map(lambda a, b: jax.lax.select(pred, a, b), on_true, on_false)
 
 
-def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries, carry=None, axis_name=None):
+def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries, carry=None, axis_name=None,
+           first=None):
     """Backs the scale off and recomputes the same batch until the gradients are finite (`lax.while_loop`).
 
     Every attempt starts from the same `rng` and `carry`, so a retried batch draws the same dropout masks.
@@ -46,7 +47,8 @@ def _retry(state, batch, loss_fn, rng, accum_steps, with_stats, max_retries, car
     def can_lower(loss_scale):
         return loss_scale.backoff().loss_scale < loss_scale.loss_scale
 
-    first, check = attempt(state.loss_scale)
+    first, check = (attempt(state.loss_scale) if first is None
+                    else (first, finite.check(first.grads, also=first.fp8)))  # the first attempt, traced already
     # A non-finite loss comes from the forward pass or the inputs, before the scale: no scale can fix it.
     worth_trying = (~check.finite) & jnp.isfinite(first.loss) & can_lower(state.loss_scale) & (max_retries > 0)
     at_min_finite = jax.lax.cond(worth_trying, lambda: attempt(state.loss_scale.lowest())[1].finite,
@@ -202,14 +204,16 @@ def train_step_with_carry(state: TrainState, batch: PyTree, loss_fn: Callable, c
     """
     check_options(loss_fn, accum_steps, max_retries=max_retries, on_overflow=on_overflow,
                   underflow_stats=underflow_stats, axis_name=axis_name)
-    audit.check_step(state, batch, loss_fn, accum_steps, carry, where=caller)
     rng = jax.random.fold_in(state.rng, state.step)
+    # Steps 1-5, traced once: the precision audit reads the very program that runs (a warning per compilation).
+    first, program = traced_gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, underflow_stats,
+                                      carry, axis_name)
+    audit.check_program(program, state.policy, where=caller)
     if on_overflow == "retry":
         loss_scale, g, check, retries, futile = _retry(state, batch, loss_fn, rng, accum_steps, underflow_stats,
-                                                       max_retries, carry, axis_name)
+                                                       max_retries, carry, axis_name, first)
     else:
-        loss_scale, retries, futile = state.loss_scale, jnp.zeros((), jnp.int32), None
-        g = gradients(state, batch, loss_fn, loss_scale, rng, accum_steps, underflow_stats, carry, axis_name)
+        loss_scale, retries, futile, g = state.loss_scale, jnp.zeros((), jnp.int32), None, first
         check = finite.check(g.grads, also=g.fp8)  # the one finite check and the norm, one pass over the gradients
     grads_finite, loss_finite = check.finite, jnp.isfinite(g.loss)
     params, opt_state = _update(state, g, grads_finite)
