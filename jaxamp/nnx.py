@@ -109,6 +109,7 @@ class Optimizer(nnx.Pytree):
 
     Attributes:
       step: an `OptState` of i32[]: `train_step` calls so far (skipped steps included), as `TrainState.step`.
+      consecutive_skips: an `OptState` of i32[]: steps skipped in a row, as `TrainState.consecutive_skips`.
       opt_state: the optax state of `tx` for the trainable `wrt` variables (leaves wrapped in `OptArray`).
       loss_scale: the loss scale, its array leaves wrapped in `OptArray` (`train_state(model).loss_scale` gives
         the plain one).
@@ -151,6 +152,7 @@ class Optimizer(nnx.Pytree):
         self.params_structure = jax.tree.structure(state.params)
         self.params_shapes = tuple(tuple(jnp.shape(x)) for x in jax.tree.leaves(state.params))  # static: ints
         self.step = OptState(state.step)
+        self.consecutive_skips = OptState(state.consecutive_skips)
         self.opt_state = nnx.data(to_opt_state(state.opt_state))
         self.loss_scale = nnx.data(jax.tree.map(OptArray, state.loss_scale))
 
@@ -177,7 +179,8 @@ class Optimizer(nnx.Pytree):
         params = _pure(nnx.state(model)) if whole_model else self._params_of(model)
         return TrainState(step=self.step.get_value(), params=params, opt_state=_values(self.opt_state),
                           loss_scale=_values(self.loss_scale), rng=jnp.zeros(_RNG, jnp.uint32), tx=self.tx,
-                          policy=self.policy, trainable=None if whole_model else self.trainable)
+                          policy=self.policy, trainable=None if whole_model else self.trainable,
+                          consecutive_skips=self.consecutive_skips.get_value())
 
     def load_train_state(self, model: nnx.Module, state: TrainState) -> None:
         """Writes a `train_state(model, whole_model=True)`-shaped state (e.g. restored from a checkpoint) into
@@ -209,6 +212,9 @@ class Optimizer(nnx.Pytree):
     def _load(self, state: TrainState) -> None:
         """Sets step, opt_state and loss scale from `state` (arrays shaped as this optimizer's)."""
         self.step.set_value(state.step)
+        # (a state of an older jaxamp, without the counter, loads with 0)
+        skips = state.consecutive_skips if state.consecutive_skips is not None else jnp.zeros((), jnp.int32)
+        self.consecutive_skips.set_value(skips)
         _assign(self.opt_state, state.opt_state)
         _assign(self.loss_scale, state.loss_scale)
 

@@ -208,7 +208,7 @@ def train4(argv: list[str], wait_for: str, ckpt_dir: str) -> dict:
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     import train_lm  # pylint: disable=import-outside-toplevel
 
-    import jaxamp.lm.train as jt  # pylint: disable=import-outside-toplevel
+    import jaxamp.lm.setup as jt  # pylint: disable=import-outside-toplevel  (build() makes the sharded step)
 
     made = []
     original = jt.jit_train_step

@@ -34,8 +34,9 @@ NOT_RUN = "<!-- not-run -->"
 SETTINGS = re.compile(r"<!--\s*docs-test:(.*?)-->", re.S)
 SETTING_KEYS = {"continues", "devices", "promotion"}
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
-SLOW_PAGES = {"docs/guide/autocast.md", "docs/guide/nnx.md", "docs/guide/scale-out.md", "docs/guide/fp8.md", "docs/guide/diagnostics.md",
-              "docs/guide/checkpoints.md", "docs/guide/policies.md", "docs/guide/own-model.md"}
+SLOW_PAGES = {"docs/guide/autocast.md", "docs/guide/nnx.md", "docs/guide/scale-out.md", "docs/guide/fp8.md",
+              "docs/guide/diagnostics.md", "docs/guide/checkpoints.md", "docs/guide/policies.md",
+              "docs/guide/own-model.md"}
 
 # The public names the API reference must hold: every public library module's __all__, and the application's entry
 # points.

@@ -123,7 +123,8 @@ def snapshot(model, opt):
             bits(nnx.state(model, nnx.RngState)))
 
 
-def test_an_inf_batch_is_skipped_bitwise_and_backs_the_scale_off():
+def test_an_inf_batch_is_skipped_bitwise_and_leaves_the_scale_alone():
+    """A non-finite loss (an inf batch): skipped bitwise; no scale fixes the inputs, so the scale is left alone."""
     model, opt = fresh(scale=2.0**12)
     train_step(model, opt, make_batch(0), loss_fn)  # a normal step first: the optax state is not all zeros
     params, opt_state, stats, rng_state = snapshot(model, opt)
@@ -133,9 +134,11 @@ def test_an_inf_batch_is_skipped_bitwise_and_backs_the_scale_off():
     assert after[0] == params and after[1] == opt_state  # Params and optax state: bitwise unchanged
     assert after[2] == stats  # BatchNorm saw inf: its non-finite new statistics are not kept
     assert after[3] != rng_state and int(model.drop.rngs.count[...]) == 2  # the step consumed its randomness
-    assert float(opt.train_state(model).loss_scale.loss_scale) == 2.0**11 and int(opt.step[...]) == 2
+    assert float(opt.train_state(model).loss_scale.loss_scale) == 2.0**12 and int(opt.step[...]) == 2
+    assert int(metrics["consecutive_skips"]) == 1 and int(opt.consecutive_skips[...]) == 1
     metrics = train_step(model, opt, make_batch(2), loss_fn)  # and training goes on
-    assert bool(metrics["grads_finite"]) and float(metrics["loss_scale"]) == 2.0**11
+    assert bool(metrics["grads_finite"]) and float(metrics["loss_scale"]) == 2.0**12
+    assert int(opt.consecutive_skips[...]) == 0
 
 
 def test_a_gradient_overflow_skips_the_update_but_keeps_batchnorm_statistics_as_torch_amp():

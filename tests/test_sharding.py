@@ -271,8 +271,10 @@ def test_inf_on_one_device_skips_the_step_on_every_device(children):
     assert p["device_id"] == 3 and p["rows"] == [6, 7] and p["nonfinite_shard_devices"] == [3]
     assert p["grads_finite"] is False
     assert p["unchanged"]  # params and optimizer state bitwise as before the step
-    assert p["scale_shards"] == [p["scale_before"] / 2] * 8  # backed off, the same on all 8 devices
-    assert p["growth_counter_shards"] == [0] * 8 and p["step_shards"] == [4] * 8
+    # The loss itself is not finite (an inf row weight): no scale fixes that, so the scale is left as it was, the
+    # same on all 8 devices (a gradient overflow backs it off, tests/test_step.py).
+    assert p["scale_shards"] == [p["scale_before"]] * 8
+    assert len(set(p["growth_counter_shards"])) == 1 and p["step_shards"] == [4] * 8
 
 
 def test_sharded_step_compiles_once(children):
