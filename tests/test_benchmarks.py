@@ -66,7 +66,10 @@ def test_nnx_overhead_benchmark_tiny(tmp_path):
         cells = next(cells for key, cells in rows.items() if key.startswith(label + " "))
         assert number(cells[0]) > 0 and number(cells[1]) > 0 and number(cells[2]) > 0, (label, cells)
         assert number(cells[3]) == 1 and number(cells[4]) == 1, (label, cells)  # one trace, one compile each
-    assert re.search(r"\(1\.000x, 1\.000x\): the same program", text)  # XLA cost: NNX step == functional step
+    # XLA cost: the NNX step is the functional step's program (it adds one RNG-count increment: at this tiny width
+    # that is 0.05% of the bytes, 1.000x or 1.001x after rounding)
+    ratios = re.search(r"\(([0-9.]+)x, ([0-9.]+)x\): the same program", text)
+    assert ratios and all(abs(float(r) - 1.0) <= 0.002 for r in ratios.groups()), text
     # The probe table, from synthetic timings: extra ms over (a) and its share of (a)'s reference step.
     module = load_script("benchmarks/nnx_overhead.py")
     args = module.parse_args(["--out", str(tmp_path / "unused.md")])

@@ -13,12 +13,14 @@ from __future__ import annotations
 import errno
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxamp.audit import PrecisionWarning
 from jaxamp.checkpoint import Checkpointer, CheckpointSaveError
 from jaxamp.fp8_collection import split_fp8
 from jaxamp.lm.config import ConfigError, TrainConfig, validate_scale_out
@@ -152,7 +154,9 @@ def train(cfg: TrainConfig) -> dict:
     workdir, ckpt, lock = open_workdir(cfg)
     # Signals are held from here to the end: one that arrives after the loop (final save, summary, sample) lets the
     # finished run complete and exit 0.
-    with lock, StopRequest() as stop:
+    # The run prints the precision audit's summary when it starts; train_step's PrecisionWarning would repeat it.
+    with lock, StopRequest() as stop, warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrecisionWarning)
         try:
             return _train_in_workdir(run, workdir, ckpt, stop)
         except CheckpointSaveError as err:
