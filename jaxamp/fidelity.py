@@ -127,8 +127,9 @@ def fidelity_report(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_
       carry: a stateful loss's state (`jaxamp.nnx`), as for `gradient_pair`.
 
     Returns:
-      `{"rel_err": {path: f32[]}, "global_rel_err": {path: f32[]}, "near_zero": {path: bool[]},
-      "noise_floor": {path: f32[]} (with `noise_floor`)}`, keyed as `grad_fidelity`'s result.
+      A dict of dicts keyed as `grad_fidelity`'s result (`{path: value}`): `rel_err` (f32[] per leaf, as
+      `grad_fidelity`), `global_rel_err` (f32[] per leaf), `near_zero` (bool[] per leaf) and, with `noise_floor`,
+      `noise_floor` (f32[] per leaf).
 
     Raises:
       ValueError: as `grad_fidelity`.

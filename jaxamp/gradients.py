@@ -39,9 +39,8 @@ class WeightedLoss(NamedTuple):
     tokens as much as one of 23 (transformers #24725). Each micro-batch is differentiated as its own mean,
     `total / max(count, 1)` (so a float16 loss scale sees mean-sized gradients), and weighted by its count.
 
-    Attributes:
-      total: f32[] the sum of the per-token losses (masked tokens excluded).
-      count: f32[] how many tokens `total` sums (>= 0; a micro-batch of 0 contributes nothing).
+    Its fields: `total`, f32[] the sum of the per-token losses (masked tokens excluded), and `count`, f32[] (or an
+    integer) how many tokens `total` sums (>= 0; a micro-batch of 0 contributes nothing).
     """
 
     total: Any

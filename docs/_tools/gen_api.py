@@ -22,11 +22,15 @@ MODULES = {
     "jaxamp.precision": "precision policies",
     "jaxamp.state": "the training state",
     "jaxamp.step": "the train and eval steps",
+    "jaxamp.autocasting": "autocast: mixed precision for any JAX code",
+    "jaxamp.audit": "the precision audit",
     "jaxamp.gradients": "steps 1 to 5 of the train step",
     "jaxamp.finite": "the one finite check",
     "jaxamp.metrics": "the step's metrics",
     "jaxamp.trainable": "frozen and trainable leaves",
     "jaxamp.fp8_collection": "the FP8 collection's rules",
+    "jaxamp.fp8_recipes": "stateless FP8 recipes: current, block and MXFP8 scaling",
+    "jaxamp.fp8_quant": "FP8 quantizers",
     "jaxamp.fidelity": "gradient fidelity against float32",
     "jaxamp.diagnostics": "activation ranges and gradient underflow",
     "jaxamp.fp8_report": "FP8 ranges",
@@ -52,6 +56,17 @@ DATA_DOCS = {
                  "the first and last bins also take everything below / above them.",
     "FP8_FORMATS": "The FP8 formats (``e4m3``, ``e5m2`` and AMD's ``fnuz`` forms) as ``FloatFormat``\\ s.",
     "AXES": "The mesh's axis names, in order.",
+    "ABSORB_LIMIT": "Values a running sum in each half-precision format absorbs before the next ones round away.",
+    "NEAR_ZERO": "A leaf whose float32 gradient RMS is below this fraction of the whole gradient's counts as near "
+                 "zero.",
+    "RECIPES": "The stateless FP8 recipes by name (``current``, ``block``, ``mxfp8``).",
+    "E4M3": "``jnp.float8_e4m3fn``: inputs and weights (largest 448).",
+    "E5M2": "``jnp.float8_e5m2``: output gradients of current scaling (largest 57344).",
+    "FP8_MAX": "The largest finite value of each FP8 format.",
+    "MX_BLOCK": "Elements per MXFP8 scale block along the contraction dimension (32).",
+    "MX_TILE": "The MXFP8 tile: one row by 32 elements.",
+    "ROW_TILE": "Block scaling's activation and gradient tile: one row by 128 elements.",
+    "WEIGHT_TILE": "Block scaling's weight tile: 128 by 128 elements.",
 }
 
 
