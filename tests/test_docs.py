@@ -41,7 +41,7 @@ SLOW_PAGES = {"docs/guide/autocast.md", "docs/guide/nnx.md", "docs/guide/scale-o
 # The public names the API reference must hold: every public library module's __all__, and the application's entry
 # points.
 PUBLIC_MODULES = ("jaxamp", "jaxamp.loss_scale", "jaxamp.precision", "jaxamp.state", "jaxamp.step", "jaxamp.audit",
-                  "jaxamp.autocasting", "jaxamp.fp8_recipes", "jaxamp.fp8_quant",
+                  "jaxamp.autocasting", "jaxamp.autocast_rules", "jaxamp.fp8_recipes", "jaxamp.fp8_quant",
                   "jaxamp.gradients", "jaxamp.finite", "jaxamp.metrics", "jaxamp.trainable", "jaxamp.fp8_collection",
                   "jaxamp.fidelity", "jaxamp.diagnostics", "jaxamp.fp8_report", "jaxamp.grad_stats", "jaxamp.layers",
                   "jaxamp.attention", "jaxamp.nnx", "jaxamp.nnx_fp8", "jaxamp.sharding", "jaxamp.checkpoint")

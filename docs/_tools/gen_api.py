@@ -23,6 +23,7 @@ MODULES = {
     "jaxamp.state": "the training state",
     "jaxamp.step": "the train and eval steps",
     "jaxamp.autocasting": "autocast: mixed precision for any JAX code",
+    "jaxamp.autocast_rules": "autocast's op classes and per-primitive rules",
     "jaxamp.audit": "the precision audit",
     "jaxamp.gradients": "steps 1 to 5 of the train step",
     "jaxamp.finite": "the one finite check",
@@ -56,6 +57,10 @@ DATA_DOCS = {
                  "the first and last bins also take everything below / above them.",
     "FP8_FORMATS": "The FP8 formats (``e4m3``, ``e5m2`` and AMD's ``fnuz`` forms) as ``FloatFormat``\\ s.",
     "AXES": "The mesh's axis names, in order.",
+    "MATMUL_OPS": "Autocast's matmul class: operands in the compute dtype, result in it.",
+    "FLOAT32_OPS": "Autocast's float32 class: inputs cast to float32, result float32.",
+    "WIDEST_OPS": "Autocast's widest class: floating inputs cast to the widest of them.",
+    "PASSTHROUGH_OPS": "Primitives autocast binds with their operands as they are.",
     "ABSORB_LIMIT": "Values a running sum in each half-precision format absorbs before the next ones round away.",
     "NEAR_ZERO": "A leaf whose float32 gradient RMS is below this fraction of the whole gradient's counts as near "
                  "zero.",
