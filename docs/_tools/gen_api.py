@@ -92,17 +92,21 @@ def page(name: str, title: str, home: dict) -> str:
         lines += ["", f".. autodata:: {n}"] + ([] if short else ["   :no-value:"]) + ["", f"   {DATA_DOCS[n]}"]
     if elsewhere:
         lines += ["", "Also in this module's ``__all__``, documented where most code imports them:", ""]
+        # autodoc registers a class's defining module as its canonical alias; a class defined in another module
+        # gets an entry of its own here, as functions and data do
+        aliased = {n for n in elsewhere if inspect.isclass(getattr(mod, n)) and getattr(mod, n).__module__ == name}
+        for n in elsewhere:
+            if n in aliased:
+                lines.append(f"- :py:class:`{home[id(getattr(mod, n))]}`")
         for n in elsewhere:
             obj, where = getattr(mod, n), home[id(getattr(mod, n))]
-            if inspect.isclass(obj):  # autodoc registers this module's name as the class's canonical alias
-                lines.append(f"- :py:class:`{where}`")
-        for n in elsewhere:
-            obj, where = getattr(mod, n), home[id(getattr(mod, n))]
-            if inspect.isclass(obj):
+            if n in aliased:
                 continue
-            directive, role = ("function", "func") if callable(obj) else ("data", "data")
-            lines += ["", f".. py:{directive}:: {n}" + ("(...)" if callable(obj) else ""), "",
-                      f"   The same {'function' if callable(obj) else 'object'} as :py:{role}:`{where}`."]
+            directive, role = (("class", "class") if inspect.isclass(obj) else ("function", "func") if callable(obj)
+                               else ("data", "data"))
+            kind = {"class": "class", "function": "function"}.get(directive, "object")
+            lines += ["", f".. py:{directive}:: {n}" + ("(...)" if directive == "function" else ""), "",
+                      f"   The same {kind} as :py:{role}:`{where}`."]
     return "\n".join(lines) + "\n"
 
 
