@@ -5,8 +5,10 @@ from typing import TYPE_CHECKING
 from jaxamp.audit import PrecisionReport, PrecisionWarning, precision_audit
 from jaxamp.autocasting import AutocastError, autocast, float32_reference
 from jaxamp.finite import all_finite, finite_leaves
+from jaxamp.gradients import WeightedLoss
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp.precision import PRESETS, Policy, get_policy
+from jaxamp.scaled import select_tree, value_and_grad
 from jaxamp.state import TrainState
 from jaxamp.step import eval_step, train_step
 
@@ -30,6 +32,7 @@ __all__ = [
     "PrecisionWarning",
     "StaticLossScale",
     "TrainState",
+    "WeightedLoss",
     "all_finite",
     "autocast",
     "eval_step",
@@ -37,7 +40,9 @@ __all__ = [
     "float32_reference",
     "get_policy",
     "precision_audit",
+    "select_tree",
     "train_step",
+    "value_and_grad",
 ]
 
 # jaxamp.checkpoint's names, imported on first use: orbax-checkpoint adds 1-2 s to `import jaxamp` otherwise.
