@@ -38,6 +38,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import flax.errors
 import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
@@ -46,15 +47,17 @@ import optax
 from flax.nnx.training.optimizer import OptArray, OptState, to_opt_state
 
 from jaxamp import audit, fidelity, fp8_report
+from jaxamp import fp8_collection as fp8c
 from jaxamp.fp8_collection import FP8_COLLECTION, split_fp8
+from jaxamp.gradients import compute_loss, split_loss
 from jaxamp.loss_scale import LossScale
 from jaxamp.nnx_fp8 import FP8_FILTER as _FP8
 from jaxamp.nnx_fp8 import Fp8DotGeneral, Fp8Einsum, Fp8Meta, Fp8Op
 from jaxamp.state import TrainState
 from jaxamp.step import check_options, train_step_with_carry
 
-__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Meta", "Optimizer", "fidelity_report", "fp8_ranges", "grad_fidelity",
-           "precision_audit", "train_step"]
+__all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Meta", "Optimizer", "eval_step", "fidelity_report", "fp8_ranges",
+           "grad_fidelity", "precision_audit", "train_step"]
 
 PyTree = Any
 _RNG = (2,)  # TrainState.rng's shape: unused here (randomness comes from the model's nnx.Rngs), kept constant
@@ -359,19 +362,43 @@ def _unflatten(structure, arrays):
     return nnx.unflatten(structure, arrays)
 
 
-def _step_arrays(structure, arrays, batch, loss_fn, accum_steps, on_overflow, max_retries, underflow_stats):
-    """The fast path: plain arrays in and out; one compiled step per (structure, loss_fn, options, batch shapes)."""
+def _step_arrays(structure, arrays, batch, loss_fn, accum_steps, on_overflow, max_retries, underflow_stats,
+                 axis_name=None, shardings=None):
+    """The fast path: plain arrays in and out; one compiled step per (structure, loss_fn, options, batch shapes).
+    `shardings` (static: one per array, or None): the new arrays are constrained to the old ones' shardings, so a
+    step on a mesh gives back what it took (no second compile)."""
     model, opt = _unflatten(structure, arrays)  # fresh variables at this trace level
     metrics = _step_in_place(model, opt, batch, loss_fn, dict(
-        accum_steps=accum_steps, on_overflow=on_overflow, max_retries=max_retries, underflow_stats=underflow_stats))
+        accum_steps=accum_steps, on_overflow=on_overflow, max_retries=max_retries, underflow_stats=underflow_stats,
+        axis_name=axis_name))
     new_structure, new_arrays = _flatten((model, opt), graph=isinstance(structure, nnx.GraphDef))
     if new_structure != structure:
         raise ValueError("loss_fn changed the structure of the model (a new attribute or variable, or Module.sow "
                          "outside nnx.capture); remove such entries before it returns")
+    if shardings is not None:
+        new_arrays = [x if s is None else jax.lax.with_sharding_constraint(x, s) for x, s in zip(new_arrays, shardings)]
     return new_arrays, metrics
 
 
-_STATIC = ("structure", "loss_fn", "accum_steps", "on_overflow", "max_retries", "underflow_stats")
+def _mesh_shardings(arrays) -> tuple | None:
+    """The arrays' shardings when any of them is a `NamedSharding` over several devices (else None: nothing to
+    keep)."""
+    if any(isinstance(a, jax.core.Tracer) for a in arrays):  # inside another trace: its caller decides
+        return None
+    shardings = tuple(a.sharding if isinstance(getattr(a, "sharding", None), jax.sharding.NamedSharding) else None
+                      for a in arrays)
+    several = any(s is not None and len(s.device_set) > 1 for s in shardings)
+    return shardings if several else None
+
+
+_RNGS_OUTSIDE = ("loss_fn uses an nnx.Rngs that the model does not hold (e.g. model(x, rngs=rngs) with rngs made "
+                 "outside the step): the compiled step cannot update it. Keep the Rngs in the model (nnx.Dropout(rate, "
+                 "rngs=rngs) in __init__, or an attribute self.rngs = rngs that the forward passes on), so its state "
+                 "runs through the step, or derive the keys from the batch (a key in the batch, then nnx.Rngs(key) "
+                 "inside loss_fn)")
+
+_STATIC = ("structure", "loss_fn", "accum_steps", "on_overflow", "max_retries", "underflow_stats", "axis_name",
+           "shardings")
 _JITTED = {False: jax.jit(_step_arrays, static_argnames=_STATIC),
            True: jax.jit(_step_arrays, static_argnames=_STATIC, donate_argnames="arrays")}
 
@@ -392,7 +419,7 @@ def _arrays_of(nodes) -> tuple[Any, list, list]:
 
 def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callable[[nnx.Module, PyTree], Any], *,
                accum_steps: int = 1, on_overflow: str = "skip", max_retries: int = 4,
-               underflow_stats: bool = False, donate: bool = False) -> dict:
+               underflow_stats: bool = False, donate: bool = False, axis_name: Any = None) -> dict:
     """One mixed-precision optimizer step of an NNX model, in place: `model` and `opt` are updated.
 
     `jaxamp.train_step`'s step (see it for the order of operations, `accum_steps`, `on_overflow` and
@@ -441,6 +468,9 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
       donate: donate the model's and optimizer's current arrays to the step, so their memory is reused for the new
         ones (as `donate_argnums` does for the functional step). The variables receive the new arrays; arrays read
         from them before the call are deleted. Off by default.
+      axis_name: the mapped axis of a `jax.pmap` / `shard_map` around the step (see `jaxamp.train_step`), or None.
+        On a mesh under plain jit none is needed; there every variable and optimizer array keeps its sharding
+        across the step (the new arrays are constrained to the old ones'), so a loop compiles once.
 
     Returns:
       The metrics of `jaxamp.train_step` (same keys: `loss`, `loss_finite`, `grad_norm`, `loss_scale`,
@@ -450,12 +480,18 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
     Raises:
       ValueError: `model` is not an NNX module, `opt` is not a `jaxamp.nnx.Optimizer` or was built for a model of
         another structure or other shapes (a model of the same structure and shapes is taken: the way to load a
-        restored optimizer), `loss_fn` changed the model's structure, or any error of `jaxamp.train_step`.
+        restored optimizer), `loss_fn` changed the model's structure, `loss_fn` used an `nnx.Rngs` the model does
+        not hold (one line naming the pattern that works), or any error of `jaxamp.train_step`.
     """
     _check_call(model, opt, loss_fn)
     structure, variables, arrays = _arrays_of((model, opt))
-    new_arrays, metrics = _JITTED[bool(donate)](structure, arrays, batch, loss_fn, accum_steps, on_overflow,
-                                                max_retries, underflow_stats)
+    try:
+        new_arrays, metrics = _JITTED[bool(donate)](structure, arrays, batch, loss_fn, accum_steps, on_overflow,
+                                                    max_retries, underflow_stats, axis_name, _mesh_shardings(arrays))
+    except flax.errors.TraceContextError as err:
+        if "Rng" not in str(err):
+            raise
+        raise ValueError(_RNGS_OUTSIDE) from None
     raw = []  # (path, array) of arrays held outside a variable
     for variable, value in zip(variables, new_arrays):
         if _is_variable(variable):
@@ -465,6 +501,36 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
     if raw:
         nnx.update((model, opt), nnx.from_flat_state(raw))
     return metrics
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _eval(graphdef, trained, loss_fn, state, fp8, rest, batch):
+    params_c = fp8c.merge_fp8(state.policy.cast_to_compute(fp8c.split_fp8(state.params)[0]), fp8 or None)
+    loss = compute_loss(state.policy, _functional_loss(graphdef, loss_fn, trained, fp8))
+    out, _ = loss(params_c, batch, None, rest)  # the model's new state (statistics, RNG counts) is dropped
+    loss_value, aux = split_loss(out)
+    return {"loss": loss_value} if aux is None else {"loss": loss_value, "aux": aux}
+
+
+def eval_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callable[[nnx.Module, PyTree], Any]) -> dict:
+    """The loss on `batch` as `train_step` would compute it (the `wrt` variables cast to the compute dtype, or
+    under autocast for an autocast policy), compiled, changing nothing: `jaxamp.eval_step` for an NNX model.
+
+    Evaluate in the model's eval mode (`model.eval()`: BatchNorm's running statistics, no dropout); whatever state
+    `loss_fn` changes (statistics, RNG counts) is dropped.
+
+    Args:
+      model, opt, batch, loss_fn: as for `train_step`.
+
+    Returns:
+      `{"loss": f32[]}`, plus `"aux"` when `loss_fn` returns one.
+
+    Raises:
+      ValueError: `model` is not an NNX module or `opt` not a `jaxamp.nnx.Optimizer` built for it.
+    """
+    _check_call(model, opt, loss_fn)
+    graphdef, trained, state, fp8, rest = _split(model, opt)
+    return _eval(graphdef, trained, loss_fn, state, fp8, rest, batch)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
