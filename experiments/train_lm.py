@@ -55,7 +55,8 @@ HELP = {
     "vocab_size": "vocabulary size = embedding rows (bpe: the size to train, 256-65536; token files: default "
                   "meta.pkl's, else GPT-2's 50304; characters: default the distinct characters)",
     "model": "model size preset: small (4 layers, 4 heads, width 128, seq 64) | gpt2-124m (12, 12, 768, 1024) | "
-             "gpt2-medium (24, 16, 1024, 1024); --layers/--heads/--width/--seq-len override it",
+             "gpt2-medium (24, 16, 1024, 1024) | gpt2-xl (48, 25, 1600, 1024; 1.56B parameters); "
+             "--layers/--heads/--width/--seq-len override it",
     "precision": "fp32 | bf16 | fp16 | fp8 (bf16 compute, Dense matmuls in FP8 with delayed scaling) | auto "
                  "(bf16 on TPUs and GPUs of compute capability >= 8.0, fp16 on 7.x, "
                  "fp32 on older GPUs and CPUs) | a jmp policy string such as 'p=f32,c=f16,o=f32'; may change "
@@ -83,6 +84,13 @@ HELP = {
     "fp8_amax_history": "steps of amax history per FP8 tensor (--precision fp8)",
     "loss_chunk": "tokens per block of the fused output head + cross-entropy, which never holds the whole float32 "
                   "logits (0 = compute them whole); same loss to float32 rounding; may change on resume",
+    "scan_layers": "run the blocks as one nn.scan over parameters stacked on a layer axis: one block compiled for "
+                   "all layers, so compile time stops growing with depth; same initial weights and losses (to "
+                   "float32 rounding) as unrolled; a checkpoint of one layout does not resume in the other",
+    "remat": "rematerialise each block in the backward pass (less activation memory, more compute; same math, "
+             "may change on resume): none | full (recompute the whole block) | dots (keep every matmul output, "
+             "jax.checkpoint_policies.dots_saveable) | dots_with_no_batch_dims (keep the Dense outputs, recompute "
+             "the attention core: dots_with_no_batch_dims_saveable)",
     "fidelity_every": "steps between gradient-fidelity checks: each leaf's relative error against a float32 "
                       "recomputation of the same batch, as grad_rel_err in metrics.jsonl (0 = off)",
     "max_consecutive_skips": "stop, after saving, when this many steps in a row overflow (or 10 at the minimum "

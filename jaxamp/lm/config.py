@@ -9,6 +9,7 @@ import dataclasses
 import math
 
 from jaxamp.lm.corpus import DATA_FORMATS, TOKENIZERS
+from jaxamp.lm.model import REMAT_POLICIES
 from jaxamp.lm.presets import MODEL_PRESETS, PRESET_FIELDS
 from jaxamp.lm.token_files import TOKEN_DTYPES
 from jaxamp.precision import get_policy
@@ -19,7 +20,10 @@ LOSS_SCALES = ("auto", "dynamic", "static", "none")
 RESUME_MATCH_KEYS = ("corpus_sha256", "vocab_size", "precision", "loss_scale", "init_scale", "growth_interval",
                      "layers", "heads", "width", "seq_len", "batch_size", "seed", "dropout", "bias", "lr", "min_lr",
                      "warmup_steps", "decay_steps", "weight_decay", "beta1", "beta2", "grad_clip", "accum_steps",
-                     "on_overflow", "max_retries", "fp8_amax_history")
+                     "on_overflow", "max_retries", "fp8_amax_history", "scan_layers")
+# Match keys added after checkpoints were first written, with the value a checkpoint saved without one had: an
+# earlier unrolled run's checkpoint has no scan_layers and was unrolled (`resume_keys`).
+RESUME_DEFAULTS = {"scan_layers": False}
 # Of those, the ones that may change together with the precision (fp32 <-> bf16 <-> fp16 on resume): the master
 # weights and optimizer state carry over, the loss scale is made anew for the new precision.
 PRECISION_KEYS = ("precision", "loss_scale", "init_scale", "growth_interval")
@@ -71,6 +75,8 @@ class TrainConfig:
     fidelity_every: int = 0  # steps between gradient-fidelity checks against float32 (0 = off)
     fp8_amax_history: int = 1024  # steps of amax history per FP8 tensor (--precision fp8)
     loss_chunk: int = 0  # tokens per block of the fused head + cross-entropy; 0 = whole f32 logits
+    scan_layers: bool = False  # blocks as one nn.scan over stacked parameters (one compiled block for all layers)
+    remat: str = "none"  # rematerialisation of each block: none | full | dots | dots_with_no_batch_dims
     max_consecutive_skips: int = 100  # stop (after saving) when this many steps in a row overflow
     keep: int = 3  # checkpoints kept (newest)
     seed: int = 1337
@@ -102,6 +108,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"--data-format must be auto or one of {', '.join(DATA_FORMATS)}, got {cfg.data_format!r}")
     if cfg.token_dtype not in TOKEN_DTYPES:
         raise ConfigError(f"--token-dtype must be one of {', '.join(TOKEN_DTYPES)}, got {cfg.token_dtype!r}")
+    if cfg.remat not in REMAT_POLICIES:
+        raise ConfigError(f"--remat must be one of {', '.join(REMAT_POLICIES)}, got {cfg.remat!r}")
+    if cfg.scan_layers and not cfg.layers >= 1:
+        raise ConfigError(f"--scan-layers needs --layers >= 1 (blocks to scan over), got {cfg.layers}")
     if cfg.vocab_size is not None and cfg.vocab_size <= 0:
         raise ConfigError(f"--vocab-size must be > 0, got {cfg.vocab_size}")
     positive = {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "layers": cfg.layers,
@@ -146,6 +156,35 @@ def validate(cfg: TrainConfig) -> None:
     except ValueError as err:
         raise ConfigError(f"--precision: {err}") from None
     validate_scale_out(cfg)
+
+
+def resume_keys(match_keys: tuple[str, ...], saved: dict | None, cfg: TrainConfig) -> tuple[str, ...]:
+    """`match_keys` for a checkpoint whose saved settings are `saved` (None: unreadable).
+
+    A key of `RESUME_DEFAULTS` the checkpoint was saved without (an earlier jaxamp's) is left out when this run has
+    its default value, which that checkpoint had; any other value is refused by `layout_mismatch` before. (With the
+    settings unreadable the key is left out too when this run has the default: an older step the restore falls back
+    to may be an earlier jaxamp's, and a layout it cannot load is still refused by the leaves' check.)
+    """
+    return tuple(k for k in match_keys if not (k in RESUME_DEFAULTS and (saved is None or k not in saved)
+                                               and getattr(cfg, k) == RESUME_DEFAULTS[k]))
+
+
+def layout_mismatch(saved: dict | None, cfg: TrainConfig) -> str | None:
+    """One line refusing a resume whose blocks are laid out otherwise (`--scan-layers`), or None.
+
+    A scanned checkpoint holds each block's leaves stacked under `h`, an unrolled one `h_0 .. h_{L-1}`, for the
+    params and the Adam moments alike; neither loads into the other's run.
+    """
+    if saved is None:
+        return None
+    was = bool(saved.get("scan_layers", RESUME_DEFAULTS["scan_layers"]))
+    if was == cfg.scan_layers:
+        return None
+    with_, without = "with --scan-layers (blocks stacked under h)", "without --scan-layers (blocks h_0 .. h_{L-1})"
+    return (f"the checkpoint in {cfg.workdir} was saved {with_ if was else without} but this run is "
+            f"{with_ if cfg.scan_layers else without}: resume {'with' if was else 'without'} --scan-layers, or pass "
+            "a new --workdir")
 
 
 def validate_scale_out(cfg: TrainConfig) -> None:

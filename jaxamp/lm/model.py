@@ -41,6 +41,18 @@ model then computes in whatever dtype its parameters arrive in:
       is rounded to the compute dtype once, as torch.amp's half-precision
       logits would be) and accumulate in float32.
 
+Depth
+-----
+``TransformerConfig.scan_layers`` runs the blocks as one ``nn.scan`` over parameters stacked on a leading
+``[num_layers]`` axis (the tree ``{wte, wpe, h, ln_f}``, ``h`` holding every block's leaves ``[num_layers, ...]``,
+the FP8 scales and amax histories ``[num_layers, 1]`` and ``[num_layers, history]``): one block is traced and
+compiled for all layers, so compile time stops growing with depth. Off (the default), the blocks are unrolled as
+``h_0 .. h_{L-1}``, the parameter names and numerics of every earlier version. :func:`stack_params` and
+:func:`unstack_params` convert between the two trees; from the same weights both give the same loss and gradients, to
+float32 rounding in float32 (in half precision to that precision's rounding: XLA fuses the two programs otherwise).
+``TransformerConfig.remat`` names a rematerialisation policy (:data:`REMAT_POLICIES`) applied to each block, scanned
+or not: the backward pass recomputes what the policy does not save, the same math in less memory.
+
 Everything, gradients included, runs under
 ``jax_numpy_dtype_promotion="strict"``: there is no implicit dtype promotion
 anywhere. Because LayerNorm casts its own scale and bias to float32, a
@@ -53,6 +65,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -62,10 +76,13 @@ import optax
 from jax import lax
 
 from jaxamp.attention import dot_product_attention
+from jaxamp.fp8_collection import FP8_COLLECTION
 from jaxamp.layers import Dense, Embed, add_bias
 
 __all__ = [
     "LM_KEEP_FLOAT32",
+    "REMAT_POLICIES",
+    "STACK_NAME",
     "TransformerConfig",
     "LayerNorm",
     "CausalSelfAttention",
@@ -75,11 +92,28 @@ __all__ = [
     "cross_entropy_loss",
     "count_params",
     "generate",
+    "remat_policy",
+    "stack_params",
+    "unstack_params",
 ]
 
 # The LM's leaves that stay float32 in the compute copy: `get_policy(precision, keep_float32=LM_KEEP_FLOAT32)`.
 # Its lookups then accumulate their gradients exactly in float32 (see jaxamp.layers).
 LM_KEEP_FLOAT32 = ("wte/embedding", "wpe/embedding")
+
+# `TransformerConfig.remat` -> the `jax.checkpoint_policies` entry each block is rematerialised with (None: none).
+# full: nothing saved, the whole block recomputed in the backward pass (`nn.remat`'s default); dots: every matmul
+# output saved, the rest (LayerNorm, GELU, softmax, dropout masks) recomputed; dots_with_no_batch_dims: only the
+# matmuls without batch dimensions saved (the Dense layers' outputs), the attention core's batched einsums recomputed.
+REMAT_POLICIES = {
+    "none": None,
+    "full": "nothing_saveable",
+    "dots": "dots_saveable",
+    "dots_with_no_batch_dims": "dots_with_no_batch_dims_saveable",
+}
+# The scanned stack's parameter subtree (`h_0 .. h_{L-1}` stacked) and the unrolled blocks' names.
+STACK_NAME = "h"
+_LAYER_NAME = re.compile(r"h_(\d+)")
 
 # nanoGPT initialisation scale for every Dense and Embed kernel.
 _INIT_STD = 0.02
@@ -118,10 +152,23 @@ class TransformerConfig:
             logits and takes the cross-entropy of them. Either way the loss
             is the same to float32 rounding; the fused form never holds more
             than ``f32[loss_chunk, vocab]`` logits.
+        scan_layers: Whether the blocks run as one ``nn.scan`` over
+            parameters stacked on a leading ``[num_layers]`` axis (subtree
+            ``h``; one block compiled for all layers) instead of unrolled as
+            ``h_0 .. h_{L-1}``. Dropout draws each layer's mask from its own
+            split of the ``'dropout'`` stream (``split_rngs``), and ``init``
+            each layer's weights from its own split of ``'params'`` (so
+            ``init`` of a scanned model is not the stacked ``init`` of the
+            unrolled one; ``stack_params`` of that is a valid scanned tree).
+        remat: Rematerialisation of each block, a key of
+            :data:`REMAT_POLICIES`: ``none`` | ``full`` | ``dots`` |
+            ``dots_with_no_batch_dims``. Same parameters and math whatever the
+            name; only what the backward pass keeps or recomputes changes.
 
     Raises:
         ValueError: On a non-positive size, a ``num_heads`` that does not
-            divide ``width``, or a ``dropout`` outside [0, 1).
+            divide ``width``, a ``dropout`` outside [0, 1), a ``scan_layers``
+            that is not a bool or an unknown ``remat`` name.
     """
 
     vocab_size: int  # tokens
@@ -135,6 +182,8 @@ class TransformerConfig:
     fp8: bool = False  # flag: Dense matmuls in FP8 (e4m3/e5m2, delayed scaling); head and attention stay 16-bit
     fp8_amax_history: int = 1024  # steps of amax history per FP8 tensor
     loss_chunk: int = 0  # tokens per block of the fused head + loss; 0 = whole f32 logits
+    scan_layers: bool = False  # flag: blocks as one nn.scan over stacked parameters (subtree "h")
+    remat: str = "none"  # rematerialisation of each block: a key of REMAT_POLICIES
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "width", "mlp_ratio", "fp8_amax_history"):
@@ -159,6 +208,11 @@ class TransformerConfig:
                 f"TransformerConfig.loss_chunk must be an integer >= 0 (tokens), got {self.loss_chunk!r}; "
                 f"use 0 (whole logits) or e.g. 4096"
             )
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"TransformerConfig.scan_layers must be a bool, got {self.scan_layers!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"TransformerConfig.remat must be one of {', '.join(REMAT_POLICIES)}, got "
+                             f"{self.remat!r}")
 
     @property
     def head_dim(self) -> int:
@@ -306,12 +360,12 @@ class Block(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, deterministic: bool = True) -> jax.Array:
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
         """Applies the block.
 
         Args:
             x: ``float[batch, seq, width]`` in the compute dtype.
-            deterministic: Disables dropout when True.
+            deterministic: Disables dropout when True (positional too: a static argument of ``nn.remat``).
 
         Returns:
             ``float[batch, seq, width]`` in the compute dtype.
@@ -326,14 +380,62 @@ class Block(nn.Module):
         return x
 
 
+class _ScanBlock(Block):
+    """A :class:`Block` in ``nn.scan``'s form: ``(x, deterministic) -> (x, None)``, the residual stream the carry and
+    ``deterministic`` broadcast to every layer. Its parameters are the block's own (``ln_1, attn, ln_2, mlp``)."""
+
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> tuple[jax.Array, None]:
+        return super().__call__(x, deterministic), None
+
+
+def remat_policy(name: str):
+    """The ``jax.checkpoint_policies`` entry of a :data:`REMAT_POLICIES` name (None for ``none``).
+
+    Raises:
+        ValueError: An unknown name.
+    """
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {name!r}")
+    policy = REMAT_POLICIES[name]
+    return None if policy is None else getattr(jax.checkpoint_policies, policy)
+
+
+def _block_class(cfg: TransformerConfig, block: type[Block]) -> type[nn.Module]:
+    """``block``, rematerialised by ``cfg.remat``'s policy (``deterministic``, argument 2, static)."""
+    if cfg.remat == "none":
+        return block
+    # Inside nn.scan the loop already keeps XLA from merging the recomputation into the forward pass.
+    return nn.remat(block, policy=remat_policy(cfg.remat), prevent_cse=not cfg.scan_layers, static_argnums=(2,))
+
+
+def _blocks(cfg: TransformerConfig, x: jax.Array, deterministic: bool) -> jax.Array:
+    """The ``num_layers`` blocks, unrolled (``h_0 .. h_{L-1}``) or as one ``nn.scan`` (``h``, stacked)."""
+    if not cfg.scan_layers:
+        block = _block_class(cfg, Block)
+        for i in range(cfg.num_layers):
+            x = block(cfg, name=f"h_{i}")(x, deterministic)  # [batch, seq, width]
+        return x
+    stack = nn.scan(
+        _block_class(cfg, _ScanBlock),
+        # Each layer's slice of the stacked parameters and FP8 state ([num_layers, ...], axis 0).
+        variable_axes={"params": 0, FP8_COLLECTION: 0, "intermediates": 0},
+        split_rngs={"params": True, "dropout": True},  # each layer its own init and dropout keys
+        in_axes=nn.broadcast,  # `deterministic`, the same for every layer
+        length=cfg.num_layers,
+    )
+    x, _ = stack(cfg, name=STACK_NAME)(x, deterministic)  # [batch, seq, width]
+    return x
+
+
 class TransformerLM(nn.Module):
     """GPT-style decoder-only language model (nanoGPT ``GPT``) with a tied output head.
 
     Parameters are created in float32; callers may cast the whole tree to
     float16/bfloat16 before ``apply`` and the model then computes in that
     dtype (see the module docstring's precision contract). The parameter tree
-    is ``{wte, wpe, h_0 .. h_{L-1}, ln_f}``; the head has no parameters of its
-    own (it reuses ``wte/embedding``).
+    is ``{wte, wpe, h_0 .. h_{L-1}, ln_f}`` (with ``config.scan_layers``,
+    ``{wte, wpe, h, ln_f}``, ``h``'s leaves stacked ``[num_layers, ...]``);
+    the head has no parameters of its own (it reuses ``wte/embedding``).
 
     Attributes:
         config: Model hyper-parameters.
@@ -392,8 +494,7 @@ class TransformerLM(nn.Module):
         pos_emb = wpe(jnp.arange(seq, dtype=jnp.int32))  # [seq, width]
         x = add_bias(tok_emb, pos_emb)  # [batch, seq, width]; pos_emb's gradient summed over the batch in float32
         x = nn.Dropout(rate=cfg.dropout)(x, deterministic=deterministic)
-        for i in range(cfg.num_layers):
-            x = Block(cfg, name=f"h_{i}")(x, deterministic=deterministic)  # [batch, seq, width]
+        x = _blocks(cfg, x, deterministic)  # [batch, seq, width]
         x = LayerNorm(use_bias=cfg.use_bias, name="ln_f")(x)  # [batch, seq, width]
         # Float32 island (c): tied head in the compute dtype, accumulated and returned in float32; its backward
         # matmuls run in the compute dtype too (jaxamp.layers.attend).
@@ -404,14 +505,14 @@ class TransformerLM(nn.Module):
         return cross_entropy_loss(wte.attend(x), targets)  # logits f32[batch, seq, vocab]
 
     def _compute_dtype(self):
-        """The dtype the blocks' weights arrive in (`h_0/attn/c_attn/kernel`): the policy's compute dtype.
+        """The dtype the blocks' weights arrive in (`h_0/attn/c_attn/kernel`, scanned `h/...`): the compute dtype.
 
         float32 while initialising. The embedding tables may arrive in float32 (`LM_KEEP_FLOAT32`) or in the compute
         dtype; the residual stream runs in this one either way.
         """
         params = self.variables.get("params", {})
         try:
-            return params["h_0"]["attn"]["c_attn"]["kernel"].dtype
+            return params[STACK_NAME if self.config.scan_layers else "h_0"]["attn"]["c_attn"]["kernel"].dtype
         except (KeyError, TypeError):
             return jnp.float32
 
@@ -429,6 +530,78 @@ def cross_entropy_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """
     losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)  # f32[batch, seq]
     return jnp.mean(losses)
+
+
+def _layer_index(key) -> int | None:
+    match = _LAYER_NAME.fullmatch(key) if isinstance(key, str) else None
+    return None if match is None else int(match.group(1))
+
+
+def _rebuild(tree: Mapping, items: list) -> Mapping:
+    """`items` as a mapping of `tree`'s kind (a FrozenDict stays one)."""
+    return type(tree)(items) if not isinstance(tree, dict) else dict(items)
+
+
+def stack_params(tree: Any) -> Any:
+    """The unrolled model's tree as the scanned model's: ``h_0 .. h_{L-1}`` -> ``h``, each leaf stacked ``[L, ...]``.
+
+    Works on any nesting of mappings: ``variables['params']``, the whole variables dict (the FP8 collection's
+    ``h_i`` entries are stacked too), a gradient tree. Mappings without ``h_i`` keys are copied as they are.
+
+    Raises:
+        ValueError: The ``h_i`` keys are not exactly ``h_0 .. h_{L-1}``, or their subtrees differ in structure,
+            shapes or dtypes.
+    """
+    if not isinstance(tree, Mapping):
+        return tree
+    layers = sorted(i for i in map(_layer_index, tree) if i is not None)
+    if not layers:
+        return _rebuild(tree, [(k, stack_params(v)) for k, v in tree.items()])
+    if layers != list(range(len(layers))) or STACK_NAME in tree:
+        raise ValueError(f"stack_params needs layers h_0 .. h_{{L-1}} (and no {STACK_NAME!r}), got "
+                         f"{sorted(k for k in tree if _layer_index(k) is not None or k == STACK_NAME)}")
+    blocks = [tree[f"h_{i}"] for i in layers]
+    shapes = [jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), b) for b in blocks]
+    if any(s != shapes[0] for s in shapes[1:]):
+        bad = next(i for i, s in enumerate(shapes) if s != shapes[0])
+        raise ValueError(f"stack_params: h_{bad} differs from h_0 in structure, shapes or dtypes")
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
+    items, placed = [], False
+    for k, v in tree.items():
+        if _layer_index(k) is None:
+            items.append((k, stack_params(v)))
+        elif not placed:  # where h_0 .. h_{L-1} were
+            items.append((STACK_NAME, stacked))
+            placed = True
+    return _rebuild(tree, items)
+
+
+def unstack_params(tree: Any) -> Any:
+    """The scanned model's tree as the unrolled model's: ``h`` (leaves ``[L, ...]``) -> ``h_0 .. h_{L-1}``.
+
+    The inverse of :func:`stack_params`, on any nesting of mappings.
+
+    Raises:
+        ValueError: The leaves under ``h`` do not share one leading length, or ``h_i`` keys are there already.
+    """
+    if not isinstance(tree, Mapping):
+        return tree
+    if STACK_NAME not in tree or not isinstance(tree[STACK_NAME], Mapping):
+        return _rebuild(tree, [(k, unstack_params(v)) for k, v in tree.items()])
+    if any(_layer_index(k) is not None for k in tree):
+        raise ValueError(f"unstack_params: the tree holds both {STACK_NAME!r} and h_i layers")
+    lengths = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in jax.tree.leaves(tree[STACK_NAME])}
+    if len(lengths) != 1 or None in lengths:
+        raise ValueError(f"unstack_params: the leaves under {STACK_NAME!r} must share one leading (layer) axis, got "
+                         f"lengths {sorted(map(str, lengths))}")
+    (length,) = lengths
+    items = []
+    for k, v in tree.items():
+        if k == STACK_NAME:
+            items.extend((f"h_{i}", jax.tree.map(lambda x, i=i: x[i], v)) for i in range(length))
+        else:
+            items.append((k, unstack_params(v)))
+    return _rebuild(tree, items)
 
 
 def count_params(params: Any) -> int:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp.checkpoint import Checkpointer, loss_scale_from_record
-from jaxamp.lm.config import PRECISION_KEYS, RESUME_MATCH_KEYS, ConfigError
+from jaxamp.lm.config import PRECISION_KEYS, RESUME_MATCH_KEYS, ConfigError, layout_mismatch, resume_keys
 from jaxamp.lm.log import say
 from jaxamp.lm.setup import Run
 from jaxamp.precision import get_policy, policy_name, uses_fp8
@@ -26,12 +26,16 @@ def resume_state(run: Run, ckpt: Checkpointer) -> tuple[TrainState, str | None]:
         return run.state, None
     target, match_keys, switched_from = run.state, RESUME_MATCH_KEYS, None
     settings = ckpt.read_settings()  # None if unreadable: restore reports it and falls back
+    problem = layout_mismatch(None if settings is None else settings[0], run.cfg)  # --scan-layers
+    if problem:
+        raise ConfigError(problem)
+    match_keys = resume_keys(match_keys, None if settings is None else settings[0], run.cfg)
     if settings is not None and settings[1].get("policy") != policy_name(run.state.policy):
         # Saved under another policy: restore into a target with the saved one, then carry the run over. (A policy
         # that differs only in its per-leaf rule, e.g. a checkpoint of an older jaxamp, is no precision switch.)
         target, saved_name = _saved_precision_target(run, *settings)
         if saved_name != policy_name(run.state.policy, rules=False):
-            switched_from, match_keys = saved_name, tuple(k for k in RESUME_MATCH_KEYS if k not in PRECISION_KEYS)
+            switched_from, match_keys = saved_name, tuple(k for k in match_keys if k not in PRECISION_KEYS)
     abstract = jax.eval_shape(lambda: target) if run.mesh is None else abstract_state(target, run.mesh)
     state, _ = ckpt.restore(abstract, run.run_config(), match_keys=match_keys,
                             set_aside=Path(run.cfg.workdir) / "unusable-checkpoints")

@@ -21,7 +21,15 @@ from jaxamp.fp8_collection import split_fp8
 from jaxamp.lm.config import ConfigError, TrainConfig, validate
 from jaxamp.lm.corpus import Corpus, decode_sample, load_corpus, sample_prompt
 from jaxamp.lm.data import batch_at, eval_batches
-from jaxamp.lm.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, count_params, generate
+from jaxamp.lm.model import (
+    LM_KEEP_FLOAT32,
+    STACK_NAME,
+    TransformerConfig,
+    TransformerLM,
+    count_params,
+    generate,
+    stack_params,
+)
 from jaxamp.lm.workdir import BPE_DIR
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name, uses_fp8
@@ -71,12 +79,38 @@ def make_optimizer(cfg: TrainConfig, params) -> optax.GradientTransformation:
     warmup = min(cfg.warmup_steps, decay_steps - 1)  # optax needs warmup < decay_steps
     schedule = optax.warmup_cosine_decay_schedule(  # step 0 runs at lr / (warmup + 1), as nanoGPT
         cfg.lr / (warmup + 1), cfg.lr, warmup, decay_steps, min_lr)
-    decay_mask = jax.tree.map(lambda p: p.ndim >= 2, params)  # matrices and embeddings, as nanoGPT
+    mask = decay_mask(params)
     # Hyperparameters in float32 even for half-precision master weights (in bfloat16, beta2=0.99 would round to 1).
     adamw = optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)(
-        learning_rate=schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=decay_mask)
+        learning_rate=schedule, b1=cfg.beta1, b2=cfg.beta2, weight_decay=cfg.weight_decay, mask=mask)
     clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip > 0 else optax.identity()
     return optax.chain(clip, adamw)
+
+
+def decay_mask(params):
+    """Which leaves AdamW decays: matrices and embeddings, as nanoGPT (not biases or LayerNorm scales). A leaf of
+    the scanned model's stacked blocks (a path through `h`) has one more axis, the layer's: a stacked LayerNorm
+    scale `[layers, width]` is not decayed either."""
+    def stacked(path) -> int:
+        return int(any(getattr(k, "key", None) == STACK_NAME for k in path))
+
+    return jax.tree_util.tree_map_with_path(lambda path, p: p.ndim - stacked(path) >= 2, params)
+
+
+def model_config(cfg: TrainConfig, vocab_size: int, *, fp8: bool) -> TransformerConfig:
+    """The model's hyper-parameters for a run."""
+    return TransformerConfig(vocab_size=vocab_size, seq_len=cfg.seq_len, num_layers=cfg.layers, num_heads=cfg.heads,
+                             width=cfg.width, dropout=cfg.dropout, use_bias=cfg.bias, fp8=fp8,
+                             fp8_amax_history=cfg.fp8_amax_history, loss_chunk=cfg.loss_chunk,
+                             scan_layers=cfg.scan_layers, remat=cfg.remat)
+
+
+def init_variables(model_cfg: TransformerConfig, key: jax.Array) -> dict:
+    """The model's initial variables. A scanned model's are the unrolled model's, stacked (`stack_params`): the same
+    weights from the same seed whether or not the blocks are scanned (and `--remat` changes nothing either)."""
+    unrolled = TransformerLM(dataclasses.replace(model_cfg, scan_layers=False, remat="none"))
+    variables = unrolled.init(key, jnp.zeros((1, model_cfg.seq_len), jnp.int32))
+    return stack_params(variables) if model_cfg.scan_layers else variables
 
 
 def applied_lr(opt_state) -> jax.Array:
@@ -159,13 +193,10 @@ def build(cfg: TrainConfig) -> Run:
     dataset = load_corpus(cfg.data, data_format=cfg.data_format, tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size,
                           seq_len=cfg.seq_len, bpe_dir=Path(cfg.workdir) / BPE_DIR, token_dtype=cfg.token_dtype)
     policy = make_policy(cfg.precision)
-    model_cfg = TransformerConfig(vocab_size=dataset.vocab_size, seq_len=cfg.seq_len,
-                                  num_layers=cfg.layers, num_heads=cfg.heads, width=cfg.width, dropout=cfg.dropout,
-                                  use_bias=cfg.bias, fp8=uses_fp8(policy), fp8_amax_history=cfg.fp8_amax_history,
-                                  loss_chunk=cfg.loss_chunk)
+    model_cfg = model_config(cfg, dataset.vocab_size, fp8=uses_fp8(policy))
     model = TransformerLM(model_cfg)
     init_key, state_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
-    variables = model.init(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))
+    variables = init_variables(model_cfg, init_key)
     params = variables if model_cfg.fp8 else variables["params"]  # FP8: scales and histories ride along
     state = TrainState.create(params=params, tx=make_optimizer(cfg, split_fp8(params)[0]), policy=policy,
                               loss_scale=make_loss_scale(cfg), rng=state_key)
