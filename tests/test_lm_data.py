@@ -274,7 +274,8 @@ def test_model_presets_and_explicit_overrides():
     cli = train_lm.parse_args(["--model", "gpt2-124m", "--layers", "2"])
     assert (cli.layers, cli.heads, cli.width, cli.seq_len) == (2, 12, 768, 1024)
     assert train_lm.parse_args(["--model", "gpt2-124m"]) == gpt2
-    with pytest.raises(ConfigError, match="--model must be one of small, gpt2-124m, gpt2-medium, gpt2-xl, got .gpt3."):
+    with pytest.raises(ConfigError, match="--model must be one of small, gpt2-124m, gpt2-medium, gpt2-xl, got "
+                                          ".gpt3."):
         validate(TrainConfig(model="gpt3"))
     with pytest.raises(ConfigError, match="--tokenizer must be one of char, bpe"):
         validate(TrainConfig(tokenizer="wordpiece"))
