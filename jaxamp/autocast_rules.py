@@ -46,11 +46,12 @@ ELIGIBLE = frozenset({F32, BF16, F16})  # torch.amp's "eligible" floats: float64
 MATMUL_OPS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 
 # Float32 class: floating inputs cast to float32, result float32 (torch.amp's "autocast to float32" list, as far as it
-# maps to JAX primitives, plus sqrt/cbrt/exp2/cumlogsumexp). integer_pow with a negative exponent (jnp.reciprocal)
-# joins it below, as torch's `reciprocal`.
+# maps to JAX primitives, plus sqrt/cbrt/exp2/cumlogsumexp). `square` and integer_pow with an exponent other than 0
+# and 1 join it, as torch's `pow` and `reciprocal` (a float16 square overflows from |x| = 256: a BatchNorm or RMSNorm
+# variance of inputs above 256 would be inf).
 FLOAT32_OPS = frozenset({
     "exp", "exp2", "log", "log1p", "expm1", "pow", "sqrt", "rsqrt", "cbrt", "reciprocal", "tan", "sinh", "cosh",
-    "asin", "acos", "erf_inv", "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
+    "asin", "acos", "erf_inv", "square", "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
 })
 
 # Widest class: floating inputs that must agree are cast to the widest floating dtype among them (torch.amp's
@@ -60,7 +61,7 @@ WIDEST_OPS = frozenset({
     "add", "add_any", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "floor", "ceil", "round",
     "nextafter", "atan2", "tanh", "logistic", "sin", "cos", "atan", "asinh", "acosh", "atanh", "erf", "erfc",
     "lgamma", "digamma", "igamma", "igammac", "igamma_grad_a", "polygamma", "zeta", "bessel_i0e", "bessel_i1e",
-    "regularized_incomplete_beta", "integer_pow", "square", "is_finite", "reduce_precision", "real", "imag", "conj",
+    "regularized_incomplete_beta", "integer_pow", "is_finite", "reduce_precision", "real", "imag", "conj",
     # selection and comparison
     "select_n", "clamp", "eq", "ne", "lt", "le", "gt", "ge", "eq_to", "le_to", "lt_to",
     "and", "or", "not", "xor", "shift_left", "shift_right_arithmetic", "shift_right_logical", "population_count", "clz",
@@ -278,8 +279,8 @@ def float32_rule(eqn, vals, mode: Mode, bounds=None) -> list:
 
 
 def integer_pow_rule(eqn, vals, mode: Mode, bounds=None) -> list:
-    """x ** n: float32 class for n < 0 (torch's `reciprocal`), widest class otherwise."""
-    return (float32_rule if eqn.params["y"] < 0 else widest_rule)(eqn, vals, mode, bounds)
+    """x ** n: float32 class (torch's `pow` and `reciprocal`) except for n = 0 and 1 (widest class)."""
+    return (widest_rule if eqn.params["y"] in (0, 1) else float32_rule)(eqn, vals, mode, bounds)
 
 
 def widest_rule(eqn, vals, mode: Mode, bounds=None) -> list:

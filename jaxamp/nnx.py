@@ -154,6 +154,7 @@ class Optimizer(nnx.Pytree):
         self.tx, self.policy, self.wrt, self.trainable = tx, state.policy, wrt, state.trainable
         self.params_structure = jax.tree.structure(state.params)
         self.params_shapes = tuple(tuple(jnp.shape(x)) for x in jax.tree.leaves(state.params))  # static: ints
+        state = _replicated_on_mesh(state, params)
         self.step = OptState(state.step)
         self.consecutive_skips = OptState(state.consecutive_skips)
         self.opt_state = nnx.data(to_opt_state(state.opt_state))
@@ -220,6 +221,26 @@ class Optimizer(nnx.Pytree):
         self.consecutive_skips.set_value(skips)
         _assign(self.opt_state, state.opt_state)
         _assign(self.loss_scale, state.loss_scale)
+
+
+def _replicated_on_mesh(state: TrainState, params: PyTree) -> TrainState:
+    """`state` with its arrays that are not on the params' mesh (the step, the counters, the loss scale: made on
+    one device) replicated over it, when a param is sharded over several devices; else `state` as it is. So every
+    array of the step is on one mesh, and the step keeps each one's sharding (one compile)."""
+    mesh = next((x.sharding.mesh for x in jax.tree.leaves(params)
+                 if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+                 and len(x.sharding.device_set) > 1), None)
+    if mesh is None:
+        return state
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def place(x):
+        on_mesh = isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding) and x.sharding.mesh == mesh
+        return x if on_mesh or not isinstance(x, jax.Array) else jax.device_put(x, replicated)
+
+    return state.replace(step=place(state.step), consecutive_skips=place(state.consecutive_skips),
+                         opt_state=jax.tree.map(place, state.opt_state),
+                         loss_scale=jax.tree.map(place, state.loss_scale))
 
 
 def _paths(tree: PyTree) -> set[str]:
@@ -382,11 +403,19 @@ def _step_arrays(structure, arrays, batch, loss_fn, accum_steps, on_overflow, ma
 
 def _mesh_shardings(arrays) -> tuple | None:
     """The arrays' shardings when any of them is a `NamedSharding` over several devices (else None: nothing to
-    keep)."""
+    keep). Specs lose their trailing Nones (`P('fsdp', None)` is `P('fsdp')`, as a compiled step's outputs carry
+    them), so equal placements give equal static arguments: one compile."""
     if any(isinstance(a, jax.core.Tracer) for a in arrays):  # inside another trace: its caller decides
         return None
-    shardings = tuple(a.sharding if isinstance(getattr(a, "sharding", None), jax.sharding.NamedSharding) else None
-                      for a in arrays)
+
+    def normal(s):
+        spec = list(s.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=s.memory_kind)
+
+    shardings = tuple(normal(a.sharding) if isinstance(getattr(a, "sharding", None), jax.sharding.NamedSharding)
+                      else None for a in arrays)
     several = any(s is not None and len(s.device_set) > 1 for s in shardings)
     return shardings if several else None
 

@@ -4,6 +4,9 @@
 the fixtures below, which skip (`shakespeare_path`) or adapt (`text_corpus`) when it is absent, and carries the
 `shared_data` marker (added here). `JAXAMP_TEST_WITHOUT_SHARED=1` makes them behave as on a machine without it; CI
 runs `pytest -m shared_data` a second time that way (.ci/run).
+
+The `slow` marker (pyproject.toml's addopts leave those tests out of `python -m pytest -q`) is written on the tests
+themselves (tests/README.md).
 """
 
 import importlib.util

@@ -101,6 +101,7 @@ def linen_setup(policy, rows=512):
     return state, batch, loss_fn
 
 
+@pytest.mark.slow
 def test_half_precision_bias_sums_past_the_format_limit_are_listed_and_warned_once_per_compilation():
     state, batch, loss_fn = linen_setup("bf16", rows=512)
     report = precision_audit(state, batch, loss_fn)

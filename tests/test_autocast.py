@@ -89,6 +89,7 @@ def tree_equal(a, b):
 # ------------------------------------------------------------------------------------------------------- op classes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dt", HALF)
 def test_matmul_class_operands_and_results_in_half(dt):
     x, w = normal(0, (4, 8)), normal(1, (8, 6))
@@ -136,6 +137,26 @@ def test_float32_class_upcasts_half_inputs(dt):
     np.testing.assert_array_equal(outs[0], exp)
     np.testing.assert_array_equal(outs[4], total)
     np.testing.assert_array_equal(outs[8], softmax)
+
+
+def test_squares_and_integer_powers_are_float32_class_so_a_variance_above_256_is_finite():
+    """torch.amp's `pow` is float32 class: x ** 2 of float16 values above 256 would overflow (65504)."""
+    x, w = normal(0, (16, 8)), normal(1, (8, 8))
+
+    def f(x, w):
+        h = (x * 300.0) @ w  # f16 matmul, |h| up to ~1e4
+        return jnp.mean(jnp.square(h - jnp.mean(h, 0)), 0), h ** 2, h ** 3, h ** 1, jnp.var(h, 0)
+
+    outs = jax.jit(autocast(f, F16))(x, w)
+    assert [str(o.dtype) for o in outs] == ["float32", "float32", "float32", "float16", "float32"]
+    jaxpr = jax.make_jaxpr(autocast(f, F16))(x, w)
+    assert prim_dtypes(jaxpr, "square") and all(ins == ["float32"] for ins, _ in prim_dtypes(jaxpr, "square"))
+    pows = {tuple(ins) for ins, _ in prim_dtypes(jaxpr, "integer_pow")}
+    assert ("float32",) in pows
+    want = jnp.var(((x * 300.0).astype(F16) @ w.astype(F16)).astype(F32), 0)
+    assert np.isfinite(np.asarray(outs[0])).all() and float(jnp.max(want)) > 65504.0
+    np.testing.assert_allclose(outs[0], want, rtol=1e-5)
+    np.testing.assert_allclose(outs[4], want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dt", HALF)
@@ -272,7 +293,7 @@ def mlp_loss(p, x):
 def mlp_loss_hand(p, x, dt):
     h = jnp.tanh((x.astype(dt) @ p["w1"].astype(dt)).astype(F32) + p["b1"])
     y = h.astype(dt) @ p["w2"].astype(dt)
-    return jnp.mean((y ** 2).astype(F32))
+    return jnp.mean(y.astype(F32) ** 2)  # a square is float32 class (torch.amp's pow)
 
 
 @pytest.mark.parametrize("dt", HALF)
@@ -325,6 +346,7 @@ def test_one_trace_over_many_jitted_steps():
     assert len(traces) == 1 and len(set(losses)) == 6
 
 
+@pytest.mark.slow
 def test_lax_scan_keeps_carries_in_their_dtype_and_matches_hand_cast():
     w, xs = normal(0, (8, 8), 0.4), normal(1, (5, 3, 8))
 
@@ -485,6 +507,7 @@ class ScanModel(nn.Module):
         return jnp.mean(ys ** 2) + jnp.mean(h)
 
 
+@pytest.mark.slow
 def test_linen_scan_and_remat_match_hand_cast():
     xs = normal(0, (2, 4, 8))
     params = jax.jit(ScanModel().init)(jax.random.key(1), xs)
@@ -595,6 +618,7 @@ class LM(nn.Module):
         return nn.Dense(32)(nn.LayerNorm()(x))
 
 
+@pytest.mark.slow
 def test_linen_transformer_block_unchanged():
     ids = jax.random.randint(jax.random.key(0), (2, 6), 0, 32)
     params = jax.jit(LM().init)(jax.random.key(1), ids)
@@ -842,6 +866,7 @@ SHARDED_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_arrays_and_shard_map_on_8_cpu_devices():
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run([sys.executable, "-c", SHARDED_CHILD], check=False, capture_output=True, text=True, env=env,

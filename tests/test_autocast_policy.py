@@ -79,6 +79,7 @@ def test_the_policy_is_named_parsed_and_refuses_what_it_cannot_do():
         get_policy("bf16;autocst")
 
 
+@pytest.mark.slow
 def test_train_step_under_an_autocast_policy_is_the_step_of_the_autocast_loss():
     """Bitwise: the policy's step equals a float32-policy step whose loss is `autocast(loss_fn, bf16)` by hand."""
     by_policy, by_hand = state_of("bf16;autocast"), state_of("fp32")
@@ -113,6 +114,7 @@ def test_autocast_follows_float32_closely_and_traces_once():
     np.testing.assert_allclose(float(m["loss"]), float(e["loss"]), rtol=0.02)
 
 
+@pytest.mark.slow
 def test_accumulation_retry_frozen_leaves_and_with_policy_work_as_with_cast_policies():
     # accumulation: two micro-batches of 16 give the gradient of the batch of 32 (SGD: the update is the gradient;
     # the micro-batches' bf16 matmuls round differently from the whole batch's, so to bf16 rounding)
@@ -155,6 +157,7 @@ def test_a_checkpoint_of_an_autocast_run_restores_bitwise_and_names_its_policy(t
         ckpt.restore(jax.eval_shape(lambda: state_of("bf16")))
 
 
+@pytest.mark.slow
 def test_grad_fidelity_of_a_model_that_fixes_its_own_bf16_dtype_is_not_all_zeros():
     """Flax's mixed-precision idiom, `dtype=jnp.bfloat16` in the model: its "float32" recomputation used to run in
     bf16 too, so every error read 0.0. The reference now runs at trace level in float32."""
@@ -198,6 +201,7 @@ def nnx_loss(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
+@pytest.mark.slow
 def test_nnx_models_train_under_autocast_with_float32_master_weights():
     model = NnxMLP(nnx.Rngs(0, dropout=1))
     opt = jnnx.Optimizer(model, optax.adam(1e-2), policy="fp16;autocast", loss_scale=DynamicLossScale(2.0**15))

@@ -151,6 +151,7 @@ def _restore_with_warnings(ckpt, abstract, **kwargs):
 # 1 -------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_round_trip_bitwise(tmp_path, states):
     ckpt = _save(tmp_path, states, keep=5)
     assert ckpt.steps() == [1, 2, 3, 4, 5] and ckpt.latest_step() == 5
@@ -400,6 +401,7 @@ def _run_child(*args, devices: int, timeout: float = 120) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_sharded_over_8_devices_restores_on_1(tmp_path):
     ckpt_dir, saved, restored = tmp_path / "ckpt", tmp_path / "saved.json", tmp_path / "restored.json"
     _run_child("save_sharded", ckpt_dir, saved, devices=8)
@@ -430,6 +432,7 @@ def _digest_tree(state) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_kill_9_during_save_keeps_previous_step(tmp_path):
     child = _load_child_module()
     abstract = jax.eval_shape(lambda: child.big_state(BIG_MB))
@@ -497,6 +500,7 @@ def test_checkpointer_is_exported_from_jaxamp():
         jaxamp.Checkpointerr  # noqa: B018
 
 
+@pytest.mark.slow
 def test_importing_jaxamp_does_not_import_orbax():
     """`jaxamp.Checkpointer` is imported on first use: orbax-checkpoint would add a second or two to `import jaxamp`."""
     code = ("import sys, jaxamp; assert not [m for m in sys.modules if m.split('.')[0] in ('orbax', 'tensorstore')]; "

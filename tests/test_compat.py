@@ -48,6 +48,7 @@ def _copy(tmp_path: Path, name: str) -> tuple[Path, Path]:
     return workdir, corpus
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_a_checkpoint_of_the_earlier_layout_restores_bitwise(tmp_path, name):
     workdir, corpus = _copy(tmp_path, name)

@@ -84,6 +84,7 @@ def test_range_fractions_match_actual_casts():
 # -- activation_ranges / recommend_policy -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_activation_ranges_fit_fp16_at_init(tiny_lm):
     model, params, batches = tiny_lm
     report = activation_ranges(model, params, batches)
@@ -101,6 +102,7 @@ def test_activation_ranges_fit_fp16_at_init(tiny_lm):
     assert name == "fp16" and "loss scaling" in reason
 
 
+@pytest.mark.slow
 def test_activation_ranges_recommend_bf16_when_an_embedding_is_huge(tiny_lm):
     model, params, batches = tiny_lm
     # nanoGPT's init has std 0.02, so x1e5 only reaches ~6e3; x1e7 (std 2e5) is far beyond float16's 65504.
@@ -126,6 +128,7 @@ def test_recommend_policy_fp32_and_errors():
 # -- gradient_underflow ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gradient_underflow_scaling_keeps_small_gradients(tiny_lm):
     model, params, batches = tiny_lm
     loss_fn = _cached_make_loss_fn(model)
@@ -183,6 +186,7 @@ def test_gradient_underflow_rejects_a_bare_batch(tiny_lm):
 # -- the CLIs ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_paper_check_cli_tiny(tmp_path, corpus, tiny_lm, capsys):
     paper_check = load_script("experiments/paper_check.py")
     out = tmp_path / "pc"
@@ -199,6 +203,7 @@ def test_paper_check_cli_tiny(tmp_path, corpus, tiny_lm, capsys):
     assert "scale 2^15" in text
 
 
+@pytest.mark.slow
 def test_activation_report_cli_fresh_and_from_checkpoint(tmp_path, corpus, tiny_lm, capsys):
     report = load_script("experiments/activation_report.py")
     out = tmp_path / "report.md"

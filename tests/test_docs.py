@@ -142,14 +142,17 @@ def check_policies(lines):
 
 
 def check_nnx(lines):
-    assert len(lines) == 9, lines
+    assert len(lines) == 12, lines
     mlp = [line.split() for line in lines[:3]]
     assert [s[1:] for s in mlp] == [["True", "float32"]] * 3, lines  # finite steps, float32 master weights
-    for losses in ([float(s[0]) for s in mlp], [float(line) for line in lines[3:6]]):
+    assert lines[3] == "True", lines  # eval_step in eval mode
+    assert lines[4] == "loss_fn uses an nnx.Rngs that the model does not hold (e.g.", lines  # the one-line refusal
+    assert lines[5] == "True", lines  # the keys from the batch: finite steps
+    for losses in ([float(s[0]) for s in mlp], [float(line) for line in lines[6:9]]):
         assert losses == sorted(losses, reverse=True), lines  # MLP and Transformer block losses fall
-    assert lines[6] == "4 True True", lines  # restored model and optimizer continue exactly
-    assert lines[7] == "True True", lines  # the FP8 MLP: finite steps, delayed scaling moved its input scale
-    assert lines[8] == "l1/dot_general input ['l1/bias', 'l1/kernel', 'l2/bias', 'l2/kernel']", lines  # diagnostics
+    assert lines[9] == "4 True True", lines  # restored model and optimizer continue exactly
+    assert lines[10] == "True True", lines  # the FP8 MLP: finite steps, delayed scaling moved its input scale
+    assert lines[11] == "l1/dot_general input ['l1/bias', 'l1/kernel', 'l2/bias', 'l2/kernel']", lines  # diagnostics
 
 
 def check_fp8(lines):

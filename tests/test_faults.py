@@ -78,6 +78,7 @@ def test_save_error_reason_is_the_os_error():
     assert save_reason(RuntimeError("orbax: something else")) == ("RuntimeError: orbax: something else", None)
 
 
+@pytest.mark.slow
 def test_a_save_that_cannot_be_written_ends_in_one_line(tmp_path):
     """Campaign input: a save that runs out of room (a 3 MB filesystem in the issue; here a 64 kB file-size limit,
     which needs no mount): 326 to 782 stderr lines and up to 80 tracebacks from orbax's and tensorstore's threads
@@ -160,6 +161,7 @@ print("restored", int(restored.step))
 """
 
 
+@pytest.mark.slow
 def test_a_truncated_array_file_falls_back_without_orbax_leftovers(tmp_path):
     """Campaign input: checkpoints/40/state/ocdbt.process_0/d/2abbfdbc... truncated from 623678 to 53728 bytes: the
     resume fell back to step 36 and ended bitwise, but printed 634 stderr lines and 10 tracebacks ("Exception
@@ -188,7 +190,7 @@ gc.collect()
 """
 
 
-@pytest.mark.parametrize("when", ["before", "after a failed save"])
+@pytest.mark.parametrize("when", ["before", pytest.param("after a failed save", marks=pytest.mark.slow)])
 def test_a_failed_saves_leftovers_collected_at_exit_stay_quiet(when):
     """Campaign input (trial 88, disk full during the first save): after the one-line error, 8 more lines as orbax's
     leftovers were collected at exit: "coroutine 'async_serialize_from_host.<locals>.write_fragment' was never
@@ -237,6 +239,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_sigint_while_starting_up_exits_at_once_in_one_line(tmp_path):
     """Campaign input: SIGINT 1.29 s after launch, inside the model build: a 99-line KeyboardInterrupt traceback
     (and, elsewhere in the start-up, a segfault, or an interrupt swallowed by a gc callback with the run going on)."""
@@ -257,6 +260,7 @@ def _flip(path: Path, offset: int, mask: int) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_damaged_metrics_and_summary_are_rewritten_from_the_checkpoint(tmp_path, capsys):
     """Campaign inputs: metrics.jsonl with one byte XORed 0x58 (a line no longer JSON) after a killed run, and with
     byte 4093 XOR 0x9d (not UTF-8) after a finished one: refused as "not a jaxamp metrics file; pass a new
@@ -346,6 +350,7 @@ def test_a_metrics_copy_that_is_not_json_is_not_parsed_by_orbax(tmp_path):
 # ---- a signal after the flush check --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_signal_after_the_flush_check_loses_no_record(tmp_path, monkeypatch):
     """A SIGTERM that lands after a step's flush check (between steps that do not fetch metrics) ended the loop with
     the records since the last fetch never written, and saved the step after them: lost for good."""
@@ -407,6 +412,7 @@ def test_fault_campaign_flags_are_checked_first(tmp_path, capsys):
         assert info.value.code == 2 and ": error: " in err[-1] and message in err[-1], (argv, err)
 
 
+@pytest.mark.slow
 def test_fault_campaign_five_trials(tmp_path):
     """`--trials 5` on a tiny run, one trial of five kinds; every trial meets every goal (a kind that needs a tmpfs
     is skipped, with its reason, where mount is not allowed)."""

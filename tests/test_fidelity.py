@@ -136,6 +136,7 @@ def _dots(jaxpr) -> list:
     return found
 
 
+@pytest.mark.slow
 def test_lm_matmuls_run_in_the_compute_dtype_and_lookups_in_float32():
     cfg = TransformerConfig(vocab_size=50, seq_len=16, num_layers=2, num_heads=2, width=32)
     model = TransformerLM(cfg)
@@ -326,6 +327,7 @@ def test_retry_spends_no_more_scale_or_compute_than_skip_on_a_persistent_nan():
 # 5. The gradient-fidelity check --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fidelity_flags_an_embedding_written_the_wrong_way():
     ids = jnp.where(jnp.arange(4096) % 5 == 0, jnp.arange(4096) % 4, 0)  # row 0 in 80% of the positions
     params = {"e": jax.random.normal(jax.random.key(0), (4, 8)), "w": jax.random.normal(jax.random.key(1), (8, 1))}
@@ -363,6 +365,7 @@ def lm_setup():
     return params, loss_fn, {"characters": (inputs, targets), "skewed": (skewed, targets)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
 @pytest.mark.parametrize("batch_name", ["characters", "skewed"])
 def test_every_lm_leaf_is_within_the_kernel_error(lm_setup, name, batch_name):

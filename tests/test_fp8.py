@@ -69,6 +69,7 @@ def test_fp8_policy_names_and_flag():
     assert get_policy(policy_name(get_policy("fp16;fp8"))) == get_policy("fp16;fp8")
 
 
+@pytest.mark.slow
 def test_the_experiments_fp8_policy_keeps_the_lm_tables_float32():
     """Under FP8 `params` is the variables dict ("params/wte/embedding"): the LM's tables still stay float32."""
     from jaxamp.lm.model import TransformerConfig, TransformerLM
@@ -83,6 +84,7 @@ def test_the_experiments_fp8_policy_keeps_the_lm_tables_float32():
     assert compute["h_0"]["mlp"]["c_fc"]["kernel"].dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 def test_dense_forward_and_backward_round_trip_within_fp8_tolerance():
     """The FP8 Dense against float32: forward within e4m3 rounding (2^-4 relative per operand), the input gradient
     within e5m2 rounding (2^-3), and not equal (it did quantize)."""
@@ -104,6 +106,7 @@ def test_dense_forward_and_backward_round_trip_within_fp8_tolerance():
     assert 1e-4 < rel_g < 2 * 2.0**-3, rel_g
 
 
+@pytest.mark.slow
 def test_amax_history_rolls_and_the_scale_is_amax_over_fp8_max():
     state = make_state()
     amaxes, scales = [], []
@@ -126,6 +129,7 @@ def test_amax_history_rolls_and_the_scale_is_amax_over_fp8_max():
     assert scales[0] == 1.0  # an empty history keeps the initial scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fp8", "fp16;fp8"])
 def test_fp8_state_and_params_are_identical_under_static_loss_scales_1_and_2_to_the_10(policy):
     states = []
@@ -140,6 +144,7 @@ def test_fp8_state_and_params_are_identical_under_static_loss_scales_1_and_2_to_
     assert fp8_state(states[0])["output_grad_scale"][0] < 1e-2  # stored loss-scale free (not 2^10 larger)
 
 
+@pytest.mark.slow
 def test_accumulation_keeps_the_newest_history_with_the_max_amax():
     state = make_state()
     state, _ = STEP(state, make_batch(0), net_loss)  # a non-empty history
@@ -160,6 +165,7 @@ def test_accumulation_keeps_the_newest_history_with_the_max_amax():
     np.testing.assert_array_equal(after["kernel_amax_history"][1:], np.roll(before["kernel_amax_history"], -1)[1:])
 
 
+@pytest.mark.slow
 def test_a_skipped_step_leaves_the_fp8_state_and_params_bitwise_unchanged():
     state = make_state("fp16;fp8", DynamicLossScale(2.0**10))
     state, _ = STEP(state, make_batch(0), net_loss)
@@ -170,6 +176,7 @@ def test_a_skipped_step_leaves_the_fp8_state_and_params_bitwise_unchanged():
     assert float(after.loss_scale.loss_scale) == 2.0**9
 
 
+@pytest.mark.slow
 def test_fp8_state_round_trips_a_checkpoint_bitwise_and_steps_compile_once(tmp_path):
     traces = []
 
@@ -193,6 +200,7 @@ def test_fp8_state_round_trips_a_checkpoint_bitwise_and_steps_compile_once(tmp_p
     assert bits(a) == bits(b) and len(traces) == 1
 
 
+@pytest.mark.slow
 def test_flax_dense_with_fp8_ops_trains_with_no_extra_plumbing():
     """Research code: stock `nn.Dense(dot_general_cls=nn.Fp8DirectDotGeneralOp)`, the variables dict as params."""
 
@@ -226,6 +234,7 @@ def test_flax_dense_with_fp8_ops_trains_with_no_extra_plumbing():
     assert FP8_COLLECTION not in str(jax.tree_util.tree_structure(state.opt_state))  # no optimizer state for it
 
 
+@pytest.mark.slow
 def test_precision_fp8_trains_close_to_bf16(text_corpus, tmp_path):
     """`--precision fp8` for 60 steps: the loss falls, and it differs from bf16 while staying within a few %."""
     import sys
@@ -247,6 +256,7 @@ def test_precision_fp8_trains_close_to_bf16(text_corpus, tmp_path):
     assert abs(fp8[-10:].mean() - bf16[-10:].mean()) / bf16[-10:].mean() < 0.03
 
 
+@pytest.mark.slow
 def test_fp8_ranges_report_saturation_against_the_delayed_scale():
     from jaxamp.fp8_report import FP8_FORMATS, format_fp8_table, fp8_ranges
 
@@ -304,6 +314,7 @@ FSDP_CHILD = """
 import json, sys
 import jax, numpy as np
 sys.path.insert(0, sys.argv[1])
+from asserts import leaf_pairs
 from test_fp8 import FP8_COLLECTION, STEP, make_batch, make_state, net_loss
 from jaxamp import sharding, train_step
 
@@ -318,14 +329,14 @@ for i in range(3):
                                                           mesh))
 history = many.params[FP8_COLLECTION]["d0"]["fp8"]["input_amax_history"]
 host = sharding.gather_to_host(many.params)
-diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-           for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(one.params)))
+diff = max(float(np.max(np.abs(a - b))) for _, a, b in leaf_pairs(host, one.params))  # fails on a lost leaf
 print(json.dumps({"spec": str(history.sharding.spec), "finite": bool(metrics["grads_finite"]), "diff": diff,
-                  "fp8_equal": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
-                      jax.tree.leaves(host[FP8_COLLECTION]), jax.tree.leaves(one.params[FP8_COLLECTION])))}))
+                  "fp8_equal": all(np.array_equal(a, b) for _, a, b in leaf_pairs(host[FP8_COLLECTION],
+                                                                                   one.params[FP8_COLLECTION]))}))
 """
 
 
+@pytest.mark.slow
 def test_fp8_state_shards_like_the_rest_and_matches_one_device():
     """data=2,fsdp=2 on 4 fake devices: the FP8 histories are sharded along fsdp like any params leaf, and three
     steps match one device (the FP8 state exactly: maxima do not depend on the sum order)."""
@@ -386,6 +397,7 @@ def square_setup(net: nn.Module, width: int = 8) -> tuple[TrainState, Callable]:
     return state, loss
 
 
+@pytest.mark.slow
 def test_a_linen_fp8_op_called_twice_keeps_the_larger_amax_not_the_sum():
     """The two calls' new values combine by maximum (Flax's fp32_max_grad dtype), not by sum: the sum doubled the
     history every step until the loss flushed to 0."""
@@ -407,6 +419,7 @@ def test_a_linen_fp8_op_called_twice_keeps_the_larger_amax_not_the_sum():
     assert float(eager.params[FP8_COLLECTION]["d"]["fp8"]["kernel_amax_history"].max()) == kernel_amax
 
 
+@pytest.mark.slow
 def test_fp8_ranges_reads_the_formats_of_flax_nanoo_op():
     """Flax's NANOOFp8DotGeneralOp (AMD GPUs) quantizes to e4m3fnuz (max 240) and e5m2fnuz: the rows say so and
     scale by 240, not by e4m3fn's 448."""
@@ -446,6 +459,7 @@ class TwoHeads(nn.Module):
         return y + b(x) if self.use_b else y
 
 
+@pytest.mark.slow
 def test_an_fp8_op_the_loss_does_not_call_keeps_its_scales_and_history():
     """Its "gradient" is 0: taken as its new value, the scales became 0 and its next call divided by 0 (NaN)."""
     variables = TwoHeads().init(jax.random.key(0), jnp.zeros((1, 8)))
@@ -488,6 +502,7 @@ class Branches(nn.Module):
         return self.b(x)
 
 
+@pytest.mark.slow
 def test_an_fp8_op_in_a_cond_branch_not_taken_keeps_its_state_and_the_step_applies():
     """The branch not taken gives its FP8 state fm32's zero, -inf: every step was skipped (and under accumulation
     the scale became 0, then NaN); also without jit, and a per-example vmap of an FP8 layer is one clear error."""
@@ -526,6 +541,7 @@ def test_an_fp8_op_in_a_cond_branch_not_taken_keeps_its_state_and_the_step_appli
         STEP(per_example, {"x": x}, vmapped_loss)
 
 
+@pytest.mark.slow
 def test_fp8_ranges_gives_each_call_of_a_shared_op_its_rows_and_refuses_inner_traces():
     """Before: the last call's input overwrote the first's (its saturation invisible), the output gradient was the
     sum over calls, and calls of other shapes failed; an op inside nn.remat leaked a tracer."""

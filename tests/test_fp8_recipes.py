@@ -377,6 +377,7 @@ def scaled_dot_general():
     ((64, 96), (96, 64), MATMUL),
     ((2, 32, 64), (2, 64, 32), (((2,), (1,)), ((0,), (0,)))),
 ], ids=["x@w", "batched"])
+@pytest.mark.slow
 def test_mxfp8_equals_jax_scaled_dot_general(scaled_dot_general, lhs_shape, rhs_shape, dims):
     reference, jax_quantize = scaled_dot_general
     x, w = normal(24, lhs_shape), normal(25, rhs_shape, 0.1)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from asserts import leaf_pairs
 
 from jaxamp import get_policy
 from jaxamp.layers import attend, attend_cross_entropy
@@ -29,6 +30,7 @@ def _reference(x, table, targets):
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(attend(x, table), targets))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("chunk", [1, 4, 21, 100])  # one token, padded blocks, one block, chunk > tokens
 def test_loss_and_gradients_equal_the_whole_logits_path(dtype, chunk):
@@ -99,6 +101,7 @@ def _lm(loss_chunk, tokens=256, vocab=2048):
     return model, params_c, ids
 
 
+@pytest.mark.slow
 def test_the_compiled_step_never_holds_the_whole_logits():
     """Temporary memory of the LM's value-and-grad: the whole-logits path holds several f32[256, 2048] arrays
     (2 MiB each); the fused one (64-token blocks) stays under one of them."""
@@ -111,19 +114,21 @@ def test_the_compiled_step_never_holds_the_whole_logits():
     assert temp[0] > 2 * logits_bytes and temp[64] < logits_bytes, temp
 
 
+@pytest.mark.slow
 def test_lm_loss_with_targets_equals_the_logits_path():
     model, params_c, ids = _lm(0)
     fused, _, _ = _lm(48)  # 48 does not divide 256 tokens: the last block is padded
     whole = jax.value_and_grad(lambda p: model.apply({"params": p}, ids, ids))(params_c)
     split = jax.value_and_grad(lambda p: fused.apply({"params": p}, ids, ids))(params_c)
     np.testing.assert_allclose(float(split[0]), float(whole[0]), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(split[1]), jax.tree.leaves(whole[1])):
+    for _, a, b in leaf_pairs(split[1], whole[1]):
         scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-2 * scale + 1e-8)
     with pytest.raises(ValueError, match="targets must have the shape"):
         model.apply({"params": params_c}, ids, ids[:, :5])
 
 
+@pytest.mark.slow
 def test_training_with_loss_chunk_follows_the_whole_logits_run(tmp_path):
     """Five bf16 steps of the experiment's step function, with and without fusion: the first losses are equal to
     float32 rounding; later ones drift by the table gradient's last bits, which Adam passes on (measured: 2e-5

@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from asserts import assert_trees_equal
 
 from jaxamp.checkpoint import Checkpointer
 from jaxamp.lm.bpe import BPETokenizer
@@ -307,6 +308,7 @@ def _restored(workdir, cfg):
         return ckpt.restore(jax.eval_shape(lambda: build(cfg).state))[0]
 
 
+@pytest.mark.slow
 def test_token_files_train_like_their_text_and_resume_bitwise(tmp_path, capsys):
     """nanoGPT's char files of a text give the very records of the text itself; resumed half-way, the same bits."""
     text_file = tmp_path / "t.txt"
@@ -324,8 +326,7 @@ def test_token_files_train_like_their_text_and_resume_bitwise(tmp_path, capsys):
     cfg = train_lm.parse_args(_run_args(text_file, tmp_path / "text", 8))
     a = _restored(tmp_path / "text", cfg)
     b = _restored(tmp_path / "bins_run", train_lm.parse_args(_run_args(bins, tmp_path / "bins_run", 8)))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    assert_trees_equal(a, b)
     summary = json.loads((tmp_path / "bins_run" / "summary.json").read_text())
     assert summary["val_loss_per_char"] == summary["val_loss"] and summary["vocab_size"] == 320
     # A vocabulary that changes on resume is refused, and nothing is touched.
@@ -343,6 +344,7 @@ def test_token_files_train_like_their_text_and_resume_bitwise(tmp_path, capsys):
     assert snapshot(tmp_path / "bins_run") == before
 
 
+@pytest.mark.slow
 def test_bpe_run_trains_once_resumes_from_its_cache_and_decodes_samples(tmp_path, capsys, monkeypatch):
     text_file = tmp_path / "t.txt"
     text_file.write_text(words(8000), encoding="utf-8")

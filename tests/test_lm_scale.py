@@ -113,6 +113,7 @@ def test_gpt2_xl_preset_has_gpt2_xls_shape_and_parameter_count():
 # stack_params / unstack_params.
 
 
+@pytest.mark.slow
 def test_stack_and_unstack_params_round_trip(tiny):
     variables, stacked, _ = tiny
     assert set(variables["params"]) == {"wte", "wpe", "h_0", "h_1", "h_2", "ln_f"}  # unrolled names as ever
@@ -147,6 +148,7 @@ def test_stack_params_refuses_gaps_and_mixed_trees(tiny):
 # Scanned = unrolled, from the same weights.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", REMATS)
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_scan_and_remat_give_the_unrolled_loss_and_gradients_in_float32(tiny, scan, remat):
@@ -159,6 +161,7 @@ def test_scan_and_remat_give_the_unrolled_loss_and_gradients_in_float32(tiny, sc
     assert max(errors.values()) < 1e-6, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
+@pytest.mark.slow
 def test_scanned_fused_loss_equals_unrolled_whole_logits(tiny):
     variables, stacked, batch = tiny
     ref_loss, ref_grads = _loss_and_grads(TINY, variables, batch)
@@ -168,6 +171,7 @@ def test_scanned_fused_loss_equals_unrolled_whole_logits(tiny):
     assert max(_rel_errors(unstack_params(grads), ref_grads).values()) < 2e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 def test_scanned_half_precision_matches_unrolled_and_computes_in_it(tiny, dtype):
     variables, stacked, batch = tiny
@@ -213,6 +217,7 @@ def test_remat_policy_names_are_jax_checkpoint_policies():
 # Dropout under scan.
 
 
+@pytest.mark.slow
 def test_scanned_dropout_draws_each_layer_its_own_mask(tiny):
     _, stacked, (inputs, targets) = tiny
     model = TransformerLM(dataclasses.replace(TINY, scan_layers=True, dropout=0.5, remat="full"))
@@ -273,6 +278,7 @@ def _unrolled_params(state, scan: bool):
     return unstack_params(params) if scan else params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp8"])
 def test_scanned_step_matches_unrolled_step_in_every_precision(precision):
     """fp32: the same to float32 rounding. Half precision and FP8: XLA rounds the scanned program's half-precision
@@ -298,6 +304,7 @@ def test_scanned_step_matches_unrolled_step_in_every_precision(precision):
             np.testing.assert_allclose(np.asarray(leaf), np.asarray(ref_leaf), rtol=5e-2)  # bf16 noise
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_scanned_half_precision_gradients_are_within_the_precisions_own_error(tiny, precision):
     variables, stacked, batch = tiny
@@ -352,6 +359,7 @@ def test_build_gives_a_scanned_run_the_unrolled_runs_initial_weights():
     assert all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(unrolled.params)))
 
 
+@pytest.mark.slow
 def test_scanned_model_samples_as_unrolled_and_its_fp8_fidelity_reference_bypasses_fp8(tiny):
     variables, stacked, batch = tiny
     greedy = dict(num_tokens=5, rng=jax.random.key(0), temperature=1e-30)
@@ -404,6 +412,7 @@ def _records(workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_scanned_run_trains_as_unrolled_resumes_with_other_remat_and_refuses_unrolled(tmp_path):
     """4 steps unrolled against 2 scanned steps + 2 resumed with --remat full: the same losses to float32 rounding
     (remat recomputes the same forward; XLA may fuse it otherwise, so not bitwise). Then resuming that scanned

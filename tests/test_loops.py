@@ -68,6 +68,7 @@ def bn_state(policy="fp32", tx=None):
                              model_state={"batch_stats": jax.tree.map(jnp.copy, BN_VARS["batch_stats"])})
 
 
+@pytest.mark.slow
 def test_model_state_runs_through_the_micro_batches_in_order():
     """accum_steps=2: the statistics after the step equal two forward passes, micro-batch 0 then 1."""
     state = bn_state()
@@ -191,6 +192,7 @@ def masked_batch():
             "y": jnp.asarray(rng.normal(size=(4, 16)), jnp.float32), "mask": jnp.asarray(mask)}
 
 
+@pytest.mark.slow
 def test_token_weighted_accumulation_is_the_full_batch_gradient():
     batch = masked_batch()
     counts = [float(batch["mask"][i::2].sum()) for i in range(2)]

@@ -66,6 +66,7 @@ def test_strict_promotion_is_in_effect():
 # ----------------------------------------------------------------------------- precision contract
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=lambda d: jnp.dtype(d).name)
 def test_logits_float32_and_activations_in_param_dtype(small, dtype):
     model, variables, apply, tokens = small
@@ -109,6 +110,7 @@ def test_matmuls_run_in_param_dtype_except_float32_islands(small, dtype):
     assert sum(e.outvars[0].aval.dtype == dtype for e in half) == 4 * L
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 def test_grad_through_half_precision_model_under_strict_jit(small, dtype):
     model, variables, _, tokens = small
@@ -139,6 +141,7 @@ def test_causality_bitwise_in_float32(small):
         assert not np.array_equal(out[:, t + 1], base[:, t + 1])  # the change itself is visible
 
 
+@pytest.mark.slow
 def test_fully_masked_attention_row_is_finite_in_float16():
     q, k, v = (jax.random.normal(key, (1, 4, 2, 8), jnp.float32).astype(jnp.float16)
                for key in jax.random.split(jax.random.key(0), 3))  # [batch, seq, heads, head_dim]
@@ -220,6 +223,7 @@ def test_param_count_matches_nanogpt_formula(use_bias):
     assert set(shapes["params"]) == {"wte", "wpe", "ln_f", *(f"h_{i}" for i in range(L))}  # no separate head
 
 
+@pytest.mark.slow
 def test_nanogpt_initialisation():
     cfg = TransformerConfig(vocab_size=65, seq_len=64, num_layers=2, num_heads=4, width=128)
     p = jax.jit(TransformerLM(cfg).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
@@ -241,6 +245,7 @@ def test_nanogpt_initialisation():
     np.testing.assert_array_equal(np.asarray(p["ln_f"]["bias"]), np.zeros(128, np.float32))
 
 
+@pytest.mark.slow
 def test_dropout_only_when_not_deterministic(small):
     model0, v0, _, tokens = small
     model = TransformerLM(dataclasses.replace(SMALL, dropout=0.3))  # same parameter tree as SMALL
@@ -326,6 +331,7 @@ def tiny():
     return model, jax.jit(model.init)(jax.random.key(3), jnp.zeros((1, 8), jnp.int32))
 
 
+@pytest.mark.slow
 def test_generate_shapes_and_valid_ids(tiny):
     model, variables = tiny
     out = generate(model, variables, GEN_PROMPT, GEN_NUM, jax.random.key(5))
@@ -354,6 +360,7 @@ def test_generate_shapes_and_valid_ids(tiny):
         generate(model, variables, jnp.zeros((1, 0), jnp.int32), 3, jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_generate_matches_a_manual_cropped_greedy_loop(tiny):
     """At a tiny temperature sampling is argmax; compare with nanoGPT's crop-to-seq_len loop."""
     model, variables = tiny
@@ -371,6 +378,7 @@ def test_generate_matches_a_manual_cropped_greedy_loop(tiny):
     np.testing.assert_array_equal(out, seq)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad_id", [-1, -7, 10_000])
 def test_out_of_range_token_ids_give_nan_not_another_token(tiny, bad_id):
     """Ids outside [0, vocab) cannot raise under jit; they must be loud (NaN), never silently another token."""
@@ -382,6 +390,7 @@ def test_out_of_range_token_ids_give_nan_not_another_token(tiny, bad_id):
     assert bool(jnp.all(jnp.isnan(bad[0, 2:])))  # (earlier rows too: 0 x NaN in the masked probs @ values)
 
 
+@pytest.mark.slow
 def test_layers_compile_to_stock_flax_ops_in_float32():
     """In float32, jaxamp.layers' custom-VJP pieces (Embed lookup, Dense with add_bias, tied attend) add nothing:
     forward + backward compiles to the same ops, flops and bytes as nn.Embed / nn.Dense / nn.Embed.attend."""

@@ -54,6 +54,7 @@ def bits(tree) -> list[bytes]:
     return [np.asarray(x).tobytes() for x in jax.tree.leaves(nnx.as_pure(tree))]
 
 
+@pytest.mark.slow
 def test_an_nnx_fp8_mlp_trains_with_float32_state_and_no_optimizer_state_for_fp8():
     model, opt = fresh()
     traces = []
@@ -125,6 +126,7 @@ def test_a_skipped_step_keeps_params_optax_and_fp8_state_bitwise(poison):
     assert bool(train_step(model, opt, make_batch(2), loss_fn)["grads_finite"])  # and training goes on
 
 
+@pytest.mark.slow
 def test_accumulation_keeps_the_newest_history_with_the_max_amax():
     model, opt = fresh()
     train_step(model, opt, make_batch(0), loss_fn)  # a non-empty history
@@ -144,6 +146,7 @@ def test_accumulation_keeps_the_newest_history_with_the_max_amax():
     np.testing.assert_array_equal(after["kernel_amax_history"][1:], np.roll(before["kernel_amax_history"], -1)[1:])
 
 
+@pytest.mark.slow
 def test_one_trace_while_the_scale_changes_and_a_train_state_reload_continues_bitwise():
     traces = []
 
@@ -188,6 +191,7 @@ def linen_loss(params, batch, rng):
     return jnp.mean(jnp.square(y.astype(jnp.float32) - batch["y"]))
 
 
+@pytest.mark.slow
 def test_the_same_model_in_linen_and_nnx_gives_bitwise_the_same_losses_params_and_fp8_state():
     """Under bf16 compute (Flax's op as it is) with a dynamic loss scale and accumulation on every other step."""
     model, opt = fresh("fp8", DynamicLossScale(2.0**10, growth_interval=2))
@@ -208,6 +212,7 @@ def test_the_same_model_in_linen_and_nnx_gives_bitwise_the_same_losses_params_an
     assert bits(opt.opt_state) == bits(state.opt_state)
 
 
+@pytest.mark.slow
 def test_a_linen_fp8_layer_through_the_nnx_bridge_trains_its_fp8_state():
     """`nnx.bridge.ToNNX` maps linen's `_overwrite_with_gradient` collection to `Fp8Meta`, so it needs nothing more."""
     model = nnx.bridge.ToNNX(nn.Dense(1, dot_general_cls=nn.Fp8DirectDotGeneralOp), rngs=nnx.Rngs(0))
@@ -237,6 +242,7 @@ def linen_twin(model, opt):
                              rng=jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_nnx_fp8_ranges_equal_the_linen_report_of_the_same_model_and_change_nothing():
     from jaxamp.fp8_report import fp8_ranges as linen_fp8_ranges
     from jaxamp.nnx import fp8_ranges
@@ -273,6 +279,7 @@ class LinenPlainMLP(nn.Module):
         return nn.Dense(1, use_bias=False, name="l2")(jnp.tanh(nn.Dense(32, name="l1")(x)))
 
 
+@pytest.mark.slow
 def test_grad_fidelity_bypasses_fp8_ops_in_its_reference_and_the_nnx_form_equals_the_linen_one():
     from jaxamp.fidelity import grad_fidelity as linen_grad_fidelity
     from jaxamp.nnx import grad_fidelity
@@ -339,6 +346,7 @@ def einsum_loss(model, batch):
     return jnp.mean(jnp.square(y.astype(jnp.float32) - batch["y"]))
 
 
+@pytest.mark.slow
 def test_nnx_fp8_einsum_trains_bitwise_as_flax_linen_fp8_einsum():
     model = EinsumMLP(nnx.Rngs(0))
     opt = Optimizer(model, TX, policy="fp8", loss_scale=NoOpLossScale())
@@ -366,6 +374,7 @@ def test_nnx_fp8_einsum_trains_bitwise_as_flax_linen_fp8_einsum():
     assert bits(now["l2"]["kernel"]) == bits(state.params["params"]["l2_kernel"])
 
 
+@pytest.mark.slow
 def test_each_tensor_keeps_its_own_scale_where_jnp_einsum_contracts_the_kernel_first():
     """`"bi,io->ob"`: jnp.einsum calls dot_general(kernel, inputs); Flax's linen op then files the kernel's amax
     under input_amax_history. jaxamp's NNX op keeps the names right, and fp8_ranges reads the right variables for
@@ -449,6 +458,7 @@ class DropoutScale(nnx.Module):
         return self.drop(jnp.ones_like(x)) * x * self.w[...]
 
 
+@pytest.mark.slow
 def test_nnx_grad_fidelity_with_accumulation_sees_the_masks_train_step_would_draw():
     """Before: every micro-batch of the recomputation reused the model's RNG counts, so micro-batch 2 drew micro-batch
     1's mask; train_step draws a new one per micro-batch."""
@@ -487,6 +497,7 @@ class SummedEinsum(nnx.Module):
         return self.e(x)
 
 
+@pytest.mark.slow
 def test_fp8_ranges_reads_what_the_fp8_dot_quantizes_and_refuses_what_it_cannot_see():
     from jaxamp.nnx import fp8_ranges, grad_fidelity
 

@@ -64,6 +64,7 @@ def _params(trial):
     return trial.params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TRIALS))
 def test_builds(name):
     trial = built(name)
@@ -110,6 +111,7 @@ def train_three_steps(trial) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TRIALS))
 def test_trains_fp32(name):
     trial = built(name)
@@ -119,6 +121,7 @@ def test_trains_fp32(name):
     assert losses[-1] < losses[0], losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(TRIALS))
 def test_bf16_cast_policy_matmul_dtypes(name):
     trial = built(name)

@@ -228,6 +228,7 @@ def _close(a: list[dict], b: list[dict], key: str, rtol: float) -> None:
     np.testing.assert_allclose([m[key] for m in a], [m[key] for m in b], rtol=rtol, err_msg=key)
 
 
+@pytest.mark.slow
 def test_data_parallel_and_fsdp_match_one_device(children):
     r = children["mesh8"]
     # fp32 + SGD (update linear in the gradient): the sharded runs agree with one device to float32 rounding.
@@ -255,6 +256,7 @@ def test_data_parallel_and_fsdp_match_one_device(children):
     assert sgd["steps"] == amp["steps"] == [3, 3, 3]
 
 
+@pytest.mark.slow
 def test_fsdp_shards_params_and_optimizer_state(children):
     r = children["mesh8"]
     specs = r["fsdp_specs"]
@@ -266,6 +268,7 @@ def test_fsdp_shards_params_and_optimizer_state(children):
     assert r["scalar_specs"] == ["P()"]  # step, loss scale and rng: replicated global arrays
 
 
+@pytest.mark.slow
 def test_inf_on_one_device_skips_the_step_on_every_device(children):
     p = children["mesh8"]["poison"]
     assert p["device_id"] == 3 and p["rows"] == [6, 7] and p["nonfinite_shard_devices"] == [3]
@@ -277,6 +280,7 @@ def test_inf_on_one_device_skips_the_step_on_every_device(children):
     assert len(set(p["growth_counter_shards"])) == 1 and p["step_shards"] == [4] * 8
 
 
+@pytest.mark.slow
 def test_sharded_step_compiles_once(children):
     assert children["mesh8"]["compiled"] == 1  # 3 steps, an overflowed step, a restored state: one executable
     assert children["mesh8"]["restore_same_mesh_equal"]
@@ -284,6 +288,7 @@ def test_sharded_step_compiles_once(children):
     assert t4["code"] == 0 and t4["step_fns"] == 1 and t4["compiled"] == [1]  # train(): 6 steps, one compile
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_restores_on_1_and_on_4_devices(children):
     saved = children["mesh8"]["saved_digests"]
     on4 = children["train4"]["restore"]
@@ -311,6 +316,7 @@ def _assert_close_states(a, b, rtol: float) -> None:
             assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(children):
     paths, outputs = children["paths"], children["outputs"]
     main, other = outputs["process0"]["stdout"], outputs["process1"]["stdout"]
@@ -331,6 +337,7 @@ def test_two_processes_match_one_process(children):
                          _restored(children["args"], paths["work4"], 4), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_two_process_checkpoint_resumes_in_one_process(children):
     paths = children["paths"]
     assert "resumed from step 4" in children["outputs"]["resume"]["stdout"]
@@ -342,6 +349,7 @@ def test_two_process_checkpoint_resumes_in_one_process(children):
     assert math.isfinite(ours[-1]["val_loss"])
 
 
+@pytest.mark.slow
 def test_two_processes_resume_past_a_damaged_step_and_set_it_aside_once(children):
     paths, outputs = children["paths"], children["outputs"]
     main, other = outputs["damaged0"], outputs["damaged1"]
@@ -355,6 +363,7 @@ def test_two_processes_resume_past_a_damaged_step_and_set_it_aside_once(children
     assert Checkpointer(paths["damaged"] / "checkpoints").steps() == [4, 8]  # and step 8 saved (every 4 steps)
 
 
+@pytest.mark.slow
 def test_two_processes_on_a_busy_workdir_are_both_refused(children, tmp_path):
     """Process 0 holds the workdir lock for the run and tells process 1 whether it got it: a second two-process run
     on a busy workdir ends in both processes with the same one-line error, and changes no file."""

@@ -4,6 +4,7 @@ import jmp
 import numpy as np
 import optax
 import pytest
+from asserts import assert_same_structure, assert_trees_equal
 
 from jaxamp import DynamicLossScale, NoOpLossScale, StaticLossScale, TrainState, get_policy
 
@@ -110,8 +111,7 @@ def test_shared_buffers_are_copied_so_the_state_can_be_donated():
     for _ in range(2):
         tied, _ = donated(tied, jnp.ones((3, 4)), loss_fn)
         ref_state, _ = reference(ref_state, jnp.ones((3, 4)), loss_fn)
-    for a, b in zip(jax.tree.leaves(tied.params), jax.tree.leaves(ref_state.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_equal(tied.params, ref_state.params, bitwise=False)
     # Two distinct Array objects over one buffer (device_put of a tied tree) are caught too.
     w2 = jnp.ones((4, 2))  # (w itself was donated above)
     placed = jax.device_put({"enc": w2, "dec": w2}, jax.devices()[0])
@@ -132,12 +132,10 @@ def test_train_state_round_trips_through_flax_serialization():
                                    loss_scale=scale, rng=jax.random.key(1))
         restored = flax.serialization.from_bytes(target, flax.serialization.to_bytes(state))
         assert jax.tree.structure(restored) == jax.tree.structure(state)
-        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
-            assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        assert_trees_equal(restored, state)
         abstract = jax.eval_shape(lambda t=target: t)  # an abstract target works too
         restored = flax.serialization.from_bytes(abstract, flax.serialization.to_bytes(state))
-        assert [np.asarray(a).tobytes() for a in jax.tree.leaves(restored)] == [
-            np.asarray(b).tobytes() for b in jax.tree.leaves(state)]
+        assert_trees_equal(restored, state)
     as_dict = flax.serialization.to_state_dict(state)["loss_scale"]
     assert sorted(as_dict) == ["growth_counter", "loss_scale", "overflow_counter"]
     assert int(as_dict["overflow_counter"]) == 1
@@ -151,6 +149,8 @@ def test_with_policy_carries_the_run_over_and_refuses_another_master_dtype():
                               rng=jax.random.key(0))
     switched = state.with_policy("bf16", NoOpLossScale())
     assert switched.policy == get_policy("bf16") and isinstance(switched.loss_scale, NoOpLossScale)
+    assert_same_structure((state.params, state.opt_state, state.step, state.rng),
+                          (switched.params, switched.opt_state, switched.step, switched.rng))
     for a, b in zip(jax.tree.leaves((state.params, state.opt_state, state.step, state.rng)),
                     jax.tree.leaves((switched.params, switched.opt_state, switched.step, switched.rng))):
         assert a is b

@@ -4,6 +4,7 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
+from asserts import assert_trees_close, assert_trees_equal
 
 from jaxamp import (
     DynamicLossScale,
@@ -56,6 +57,7 @@ def bits(tree):
     return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
+@pytest.mark.slow
 def test_fp32_noop_equals_plain_optax():
     tx = make_tx()
     state = make_state(tx=tx)
@@ -73,8 +75,7 @@ def test_fp32_noop_equals_plain_optax():
             state, metrics = step(state, make_batch(i), mlp_loss)
             params, opt_state = plain(params, opt_state, make_batch(i))
     assert bool(metrics["grads_finite"]) and int(state.step) == 5
-    for ours, ref in zip(jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves((params, opt_state))):
-        np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-7)
+    assert_trees_close((state.params, state.opt_state), (params, opt_state), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("policy", ["fp16", "bf16"])
@@ -90,6 +91,7 @@ def test_master_weights_and_optimizer_state_stay_float32(policy):
         assert metrics["grads_finite"].dtype == jnp.bool_
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, dtype", [("float16", jnp.float16), ("p=bf16,c=bf16,o=f32", jnp.bfloat16)])
 def test_half_precision_master_weights_keep_their_dtype_under_adamw(policy, dtype):
     """Master weights as a jmp string gives them: the float32 gradients and hyperparameters never promote the state."""
@@ -117,6 +119,7 @@ def gradient_poisoned_loss(params, batch, rng):
 
 @pytest.mark.parametrize("poison,loss_too", [(float("inf"), True), (float("nan"), True), (float("inf"), False),
                                              (float("nan"), False)])
+@pytest.mark.slow
 def test_non_finite_step_is_skipped_bitwise(poison, loss_too):
     """A non-finite gradient skips the step bitwise and backs the scale off; a non-finite loss (the inputs or the
     forward pass, which no scale fixes) skips it too and leaves the scale as it is."""
@@ -154,6 +157,7 @@ def test_overflow_from_scaled_float16_backward_is_skipped():
     assert scales[0] == 2.0**24 and len(scales) > 1 and scales == sorted(scales, reverse=True)
 
 
+@pytest.mark.slow
 def test_clipping_and_update_do_not_depend_on_loss_scale():
     results = []
     for exponent in (0, 4, 12, 24):
@@ -164,6 +168,7 @@ def test_clipping_and_update_do_not_depend_on_loss_scale():
     assert all(r == results[0] for r in results)
 
 
+@pytest.mark.slow
 def test_grad_norm_metric_is_the_global_norm_of_the_unscaled_gradients():
     state = make_state("fp16", StaticLossScale(2.0**10))
     _, metrics = step(state, make_batch(0), mlp_loss)
@@ -171,6 +176,7 @@ def test_grad_norm_metric_is_the_global_norm_of_the_unscaled_gradients():
     np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads)), rtol=2e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
 def test_one_pass_check_agrees_with_all_finite_finite_leaves_and_optax_norm(bad):
     from jaxamp.finite import check as _check_grads
@@ -317,8 +323,7 @@ def test_accumulation_equals_one_big_batch(policy, rtol):
     scale = DynamicLossScale(2.0**8) if policy == "fp16" else None
     big, _, m1 = sgd_gradient(policy, batch, 1, scale)
     acc, _, m4 = sgd_gradient(policy, batch, 4, scale)
-    for a, b in zip(jax.tree.leaves(acc), jax.tree.leaves(big)):
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6 if policy == "fp32" else 1e-4)
+    assert_trees_close(acc, big, rtol=rtol, atol=1e-6 if policy == "fp32" else 1e-4)
     np.testing.assert_allclose(float(m4["loss"]), float(m1["loss"]), rtol=rtol)
 
 
@@ -326,6 +331,7 @@ def gradient_poisoned_rows(params, batch, rng):
     return gradient_poisoned_loss(params, {**batch, "poison": jnp.ones((), jnp.float32)}, rng)
 
 
+@pytest.mark.slow
 def test_accumulation_updates_the_scale_once_per_window():
     state = make_state("fp16", DynamicLossScale(2.0**4, growth_interval=1))
     step4 = jax.jit(train_step, static_argnames=("loss_fn", "accum_steps"))
@@ -343,6 +349,7 @@ def test_accumulation_updates_the_scale_once_per_window():
         train_step(state, rows_batch(0), rows_loss, accum_steps=5)
 
 
+@pytest.mark.slow
 def test_retry_recovers_the_batch_at_the_lower_scale():
     retry = jax.jit(train_step, static_argnames=("loss_fn", "on_overflow", "max_retries"))
     state = make_state("fp16", DynamicLossScale(2.0**24, max_loss_scale=2.0**24))
@@ -354,8 +361,7 @@ def test_retry_recovers_the_batch_at_the_lower_scale():
     reference = make_state("fp16", DynamicLossScale(2.0 ** (24 - retries), max_loss_scale=2.0**24))
     ref_new, ref_metrics = step(reference, rows_batch(0), rows_loss)
     assert bool(ref_metrics["grads_finite"])
-    for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(ref_new.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_equal(new.params, ref_new.params, bitwise=False)
     # with too few retries allowed it falls back to a skip
     _, capped = retry(state, rows_batch(0), rows_loss, on_overflow="retry", max_retries=0)
     assert not bool(capped["grads_finite"]) and int(capped["retries"]) == 0
@@ -382,6 +388,7 @@ def test_overflow_localisation_names_exactly_the_poisoned_leaf():
     assert nonfinite_paths(jax.device_get(metrics["grads_finite_leaves"])) == ["l2/w"]
 
 
+@pytest.mark.slow
 def test_loss_finite_separates_bad_inputs_from_gradient_overflow():
     state = make_state("fp16", DynamicLossScale(2.0**8))
     bad = make_batch(0)
@@ -393,6 +400,7 @@ def test_loss_finite_separates_bad_inputs_from_gradient_overflow():
     assert bool(metrics["loss_finite"]) and not bool(metrics["grads_finite"])
 
 
+@pytest.mark.slow
 def test_underflow_stats_in_metrics():
     stats_step = jax.jit(train_step, static_argnames=("loss_fn", "underflow_stats", "accum_steps"))
     a = jax.random.uniform(jax.random.key(1), (32, 8), minval=0.5e-4, maxval=2e-4)
@@ -412,6 +420,7 @@ def test_underflow_stats_in_metrics():
     assert np.isfinite(float(metrics["underflow"]["headroom_log2"]))
 
 
+@pytest.mark.slow
 def test_differentiable_through_the_step():
     """Hypergradients: d(updated params)/d(batch) through train_step (the finite check and norm are not
     differentiated)."""
@@ -469,6 +478,7 @@ def test_loss_fn_return_shapes_get_one_clear_error(out, what):
         step(make_state(), make_batch(0), lambda p, b, r: out(mlp_loss(p, b, r)))
 
 
+@pytest.mark.slow
 def test_retry_skips_a_non_finite_loss_at_once():
     """No scale makes a NaN input finite: one skip, no recompute and no backoff, in both modes (issue: a NaN loss
     every step used to halve the scale every time, 32768 to 1024 in 6 steps)."""
@@ -484,6 +494,7 @@ def test_retry_skips_a_non_finite_loss_at_once():
         assert bits(new.params) == bits(state.params)
 
 
+@pytest.mark.slow
 def test_loss_goes_to_optax_as_value():
     """Transformations that take `value=` (reduce_on_plateau, polyak_sgd) get the unscaled float32 loss."""
 

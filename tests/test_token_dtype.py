@@ -170,6 +170,7 @@ def test_uint32_sizes_and_vocabulary_are_checked(tmp_path):
         write_tokens(tmp_path / "w.bin", [70_000])
 
 
+@pytest.mark.slow
 def test_uint32_run_trains_and_the_option_is_checked(tmp_path, capsys):
     from jaxamp.lm.train import train
 
@@ -196,6 +197,7 @@ def test_uint32_run_trains_and_the_option_is_checked(tmp_path, capsys):
         load_corpus(tmp_path / "t.txt", seq_len=8, bpe_dir=tmp_path / "x", token_dtype="uint32")
 
 
+@pytest.mark.slow
 def test_cli_lists_the_flag():
     proc = subprocess.run([sys.executable, str(REPO / "experiments" / "train_lm.py"), "--help"], capture_output=True,
                           text=True, timeout=120, cwd=REPO)

@@ -40,6 +40,7 @@ def cli(*args, timeout=240):
                           timeout=timeout, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_fp16_run_lowers_loss_and_writes_metrics(corpus, tmp_path, capsys):
     workdir = tmp_path / "run"
     code = train_lm.main(["--data", str(corpus), "--precision", "fp16", "--steps", "30", "--warmup-steps", "5",
@@ -123,6 +124,7 @@ def session_starts(path) -> list[int]:
     return starts
 
 
+@pytest.mark.slow
 def test_default_corpus_needs_no_download(tmp_path, capsys):
     code = train_lm.main(["--steps", "3", "--eval-every", "3", "--workdir", str(tmp_path / "run"), *TINY])
     assert code == 0
@@ -167,6 +169,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
         assert err.startswith("error: ") and "\n" not in err and expected in err, (args, err)
 
 
+@pytest.mark.slow
 def test_workdir_that_is_not_a_run_is_refused_untouched(tmp_path, capsys):
     (tmp_path / "thesis.tex").write_text("precious")
     (tmp_path / "checkpoints").mkdir()
@@ -198,6 +201,7 @@ def test_cli_defaults_equal_the_config_defaults():
     assert train_lm.parse_args(["--bias"]).bias is True and train_lm.parse_args(["--no-bias"]).bias is False
 
 
+@pytest.mark.slow
 def test_previous_metrics_without_checkpoint_are_refused_untouched(tmp_path, capsys):
     corpus = _small_corpus(tmp_path / "corpus.txt")
     args = _quick(corpus)
@@ -228,6 +232,7 @@ def test_previous_metrics_without_checkpoint_are_refused_untouched(tmp_path, cap
             foreign / "metrics.jsonl"]
 
 
+@pytest.mark.slow
 def test_a_first_save_cut_short_starts_over(tmp_path, capsys):
     """Killed (or out of disk) while its first checkpoint was still being written: only orbax's tmp folder is left,
     with records past --checkpoint-every. The same command starts over and writes the very same records."""
@@ -260,6 +265,7 @@ def test_a_first_save_cut_short_starts_over(tmp_path, capsys):
     assert snapshot() == before
 
 
+@pytest.mark.slow
 def test_a_damaged_newest_checkpoint_falls_back_quietly(tmp_path):
     """A truncated OCDBT manifest: one warning and a resume from the previous step, not hundreds of tensorstore
     "Event loop is closed" tracebacks (they come from tensorstore's threads, so only a separate process shows them)."""
@@ -277,6 +283,7 @@ def test_a_damaged_newest_checkpoint_falls_back_quietly(tmp_path):
     assert len(lines) == 2 and all(line.startswith("warning: ") for line in lines), lines
 
 
+@pytest.mark.slow
 def test_a_busy_or_unwritable_workdir_is_refused_untouched(tmp_path, capsys):
     from jaxamp.lm.workdir import WorkdirLock
 
@@ -300,6 +307,7 @@ def test_a_busy_or_unwritable_workdir_is_refused_untouched(tmp_path, capsys):
     assert "cannot write in --workdir" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_filesystem_without_flock_runs_with_a_warning(tmp_path, capsys, monkeypatch):
     import errno
     import fcntl
@@ -314,6 +322,7 @@ def test_a_filesystem_without_flock_runs_with_a_warning(tmp_path, capsys, monkey
     assert "running without the guard against a second run" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["before the first step", "during the last step", "after the loop"])
 def test_signals_outside_the_loop_leave_a_consistent_run(tmp_path, capsys, monkeypatch, when):
     """SIGTERM before the first step saves step 0 and resumes; during the last step or after the loop (final save,
@@ -351,6 +360,7 @@ def test_signals_outside_the_loop_leave_a_consistent_run(tmp_path, capsys, monke
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_rerunning_a_finished_run_changes_nothing(tmp_path, capsys):
     corpus = _small_corpus(tmp_path / "corpus.txt")
     args = [*_quick(corpus), "--workdir", str(tmp_path / "run")]
@@ -371,6 +381,7 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, capsys):
     assert json.loads(summary_path.read_text())["steps"] == 4
 
 
+@pytest.mark.slow
 def test_half_precision_master_weights_train_from_the_cli(tmp_path, capsys):
     corpus = _small_corpus(tmp_path / "corpus.txt")
     workdir = tmp_path / "f16"
@@ -388,6 +399,7 @@ def test_half_precision_master_weights_train_from_the_cli(tmp_path, capsys):
     assert hyper["b2"].dtype == jnp.float32  # 0.99 would round to 1.0 in bfloat16
 
 
+@pytest.mark.slow
 def test_bad_input_exits_without_traceback(tmp_path):
     result = cli("--data", tmp_path / "missing.txt", "--workdir", tmp_path / "w", timeout=120)
     assert result.returncode == 2
@@ -439,6 +451,7 @@ def uninterrupted(corpus, tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow
 def test_resume_in_new_process_is_bitwise(corpus, uninterrupted, tmp_path):
     workdir = tmp_path / "resumed"
     first = cli("--data", corpus, "--workdir", workdir, *_with_steps(RESUME, TOTAL // 2))
@@ -454,6 +467,7 @@ def test_resume_in_new_process_is_bitwise(corpus, uninterrupted, tmp_path):
     assert_bitwise_equal(restored(workdir, corpus), restored(uninterrupted, corpus))
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_resumes_bitwise(corpus, uninterrupted, tmp_path):
     workdir = tmp_path / "preempted"
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--data", str(corpus), "--workdir", str(workdir),
@@ -479,6 +493,7 @@ def test_sigterm_saves_exits_zero_and_resumes_bitwise(corpus, uninterrupted, tmp
     assert_bitwise_equal(restored(workdir, corpus), restored(uninterrupted, corpus))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, ours, theirs", [("--width", "32", "64"), ("--accum-steps", "1", "2")])
 def test_resume_with_other_settings_is_refused_untouched(corpus, uninterrupted, flag, ours, theirs):
     snapshot = lambda: sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in uninterrupted.rglob("*"))
@@ -494,6 +509,7 @@ def test_resume_with_other_settings_is_refused_untouched(corpus, uninterrupted, 
 
 # ---- loss-scaling options of the experiment ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_divergence_guard_stops_after_saving(corpus, tmp_path, capsys):
     workdir = tmp_path / "diverged"
     code = train_lm.main(["--data", str(corpus), "--precision", "fp16", "--loss-scale", "static", "--init-scale",
@@ -511,6 +527,7 @@ def test_divergence_guard_stops_after_saving(corpus, tmp_path, capsys):
     ckpt.close()
 
 
+@pytest.mark.slow
 def test_retry_and_accumulation_flags(corpus, tmp_path, capsys):
     workdir = tmp_path / "retry"
     code = train_lm.main(["--data", str(corpus), "--precision", "fp16", "--init-scale", str(2.0**24),
@@ -524,6 +541,7 @@ def test_retry_and_accumulation_flags(corpus, tmp_path, capsys):
     assert 0 <= records[0]["grad_zero_fraction"] <= 1 and len(records[0]["worst_zero_leaves"]) == 3
 
 
+@pytest.mark.slow
 def test_second_sigint_exits_at_once():
     """The first SIGINT asks the loop to save and stop; a second one exits at once with status 130 (a save in
     flight stays in orbax's tmp folder, which restores ignore: see test_checkpoint's kill -9 test)."""
@@ -548,6 +566,7 @@ def _tree_snapshot(directory: Path) -> dict:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_precision_switches_on_resume_as_the_error_advises(corpus, tmp_path):
     """fp16 at a scale that overflows stops at step 1 advising bf16; bf16 resumes from the saved master weights and
     optimizer state, then fp32 does; a change of master-weight dtype is refused and touches nothing."""
@@ -578,6 +597,7 @@ def test_precision_switches_on_resume_as_the_error_advises(corpus, tmp_path):
     assert _tree_snapshot(workdir) == before
 
 
+@pytest.mark.slow
 def test_fidelity_every_writes_grad_rel_err(corpus, tmp_path, capsys):
     workdir = tmp_path / "fidelity"
     code = train_lm.main(["--data", str(corpus), "--precision", "bf16", "--steps", "4", "--fidelity-every", "2",
@@ -590,6 +610,7 @@ def test_fidelity_every_writes_grad_rel_err(corpus, tmp_path, capsys):
     assert "gradient error against float32, worst leaves:" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_fidelity_every_in_an_fp8_run_compares_with_the_model_without_fp8(corpus, tmp_path):
     """The reference bypasses the FP8 ops, so the error holds what e4m3/e5m2 cost: well above bf16's 0.4%."""
     workdir = tmp_path / "fidelity"
