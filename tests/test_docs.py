@@ -7,7 +7,9 @@ only; use it rarely). One comment per page sets how it runs, e.g. `<!-- docs-tes
 - `continues=PATH`: the blocks of PATH (from the repository root) run first, as the page's text says it continues
   that example;
 - `devices=N`: N fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=N`);
-- `promotion=standard`: JAX's standard dtype promotion (the default is `strict`, as in the rest of the tests).
+- `promotion=standard`: JAX's standard dtype promotion (the default is `strict`, as in the rest of the tests);
+- `requires=MOD,MOD`: modules the page imports beyond jaxamp's own dependencies (the test extras install them);
+  where one is missing the page skips, except where `CI` or `JAXAMP_REQUIRE_DOCS=1` is set.
 
 Where a page's printed output is part of what it teaches, `CHECKS` asserts on it.
 
@@ -32,11 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 NOT_RUN = "<!-- not-run -->"
 SETTINGS = re.compile(r"<!--\s*docs-test:(.*?)-->", re.S)
-SETTING_KEYS = {"continues", "devices", "promotion"}
+SETTING_KEYS = {"continues", "devices", "promotion", "requires"}
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 SLOW_PAGES = {"docs/guide/autocast.md", "docs/guide/nnx.md", "docs/guide/scale-out.md", "docs/guide/fp8.md",
               "docs/guide/diagnostics.md", "docs/guide/checkpoints.md", "docs/guide/policies.md",
-              "docs/guide/own-model.md"}
+              "docs/guide/own-model.md", "docs/guide/loops.md"}
 
 # The public names the API reference must hold: every public library module's __all__, and the application's entry
 # points.
@@ -91,6 +93,12 @@ def script(path: Path, seen=()) -> str:
 def run_page(path: Path, tmp_path: Path) -> list[str]:
     """Runs the page's script in a child process; returns its printed lines."""
     opts = settings(path)
+    missing = [m for m in opts.get("requires", "").split(",") if m and importlib.util.find_spec(m) is None]
+    if missing:
+        reason = f"{rel(path)} needs {', '.join(missing)}: pip install -e \".[test]\""
+        if os.environ.get("CI") or os.environ.get("JAXAMP_REQUIRE_DOCS") == "1":
+            pytest.fail(reason + " (required here: CI or JAXAMP_REQUIRE_DOCS=1)")
+        pytest.skip(reason)
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "JAX_NUMPY_DTYPE_PROMOTION": opts.get("promotion", "strict")}
     if "devices" in opts:
@@ -202,8 +210,14 @@ def check_autocast(lines):
     assert lines[4] == "0.0 True", lines  # the cast policy: every matmul float32, because the images are float32
 
 
+def check_loops(lines):
+    assert lines[:3] == ["True 1 32768.0", "False 1 16384.0", "True 2 16384.0"], lines  # the overflow skipped
+    assert lines[3:] == ["True", "8 True True", "29.0", "False 3 1024.0", "True float32", "1.000 True"], lines
+
+
 CHECKS = {
     "README.md": check_readme,
+    "docs/guide/loops.md": check_loops,
     "docs/guide/autocast.md": check_autocast,
     "docs/guide/own-model.md": check_own_model,
     "docs/guide/loss-scaling.md": check_loss_scaling,
