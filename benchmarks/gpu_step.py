@@ -19,6 +19,12 @@ PRECISIONS = {  # name -> (jaxamp policy, dynamic loss scale?, matmul precision 
     "bf16-fused": ("bf16", False, None, "16bit", FUSED_CHUNK),  # TransformerConfig.loss_chunk: no whole f32 logits
     "fp16": ("fp16", True, None, "16bit", 0),
     "fp8": ("fp8", False, None, "fp8", 0),
+    # The same float32 model code under autocast (no LM keep_float32 rules: autocast keeps lookups float32), the
+    # stateless FP8 recipes through autocast (the tied head excluded by name), and bf16 Adam moments.
+    "bf16-autocast": ("bf16;autocast", False, None, "16bit", 0),
+    "fp8-current": ("fp8-current", False, None, "fp8", 0),
+    "fp8-block": ("fp8-block", False, None, "fp8", 0),
+    "bf16-moments": ("bf16;opt_state=bf16", False, None, "16bit", 0),
 }
 # Dense peak FLOP/s per device kind (substring of jax.devices()[0].device_kind): 16-bit tensor cores, TF32 tensor
 # cores (the default float32 matmul), true float32 (precision="highest"). Sparse figures are not used.

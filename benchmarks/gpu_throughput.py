@@ -1,4 +1,4 @@
-"""Training throughput, MFU and memory of a GPT-2-124M-sized LM under jaxamp, in five precisions, one command.
+"""Training throughput, MFU and memory of a GPT-2-124M-sized LM under jaxamp, in ten precisions, one command.
 
     python benchmarks/gpu_throughput.py                           # 12 layers, 12 heads, width 768, seq 1024, batch 16
     python benchmarks/gpu_throughput.py --batch-size 32 --steps 20
@@ -16,6 +16,10 @@ with global-norm clipping, as a user writes it):
   fp16          fp16 policy (float32 master weights), jaxamp `DynamicLossScale`
   fp8           fp8 policy: bf16 compute with the Dense matmuls through Flax's FP8 ops (e4m3/e5m2, delayed scaling;
                 head and attention in bf16), no loss scale; MFU against the FP8 peak and, in brackets, the bf16 peak
+  bf16-autocast "bf16;autocast": the params float32 into the model, `jaxamp.autocast` casts at each matmul
+  fp8-current   "fp8-current": autocast with the weight matmuls through per-tensor current-scaled FP8 (stateless)
+  fp8-block     "fp8-block": the same with DeepSeek-V3's 1x128 / 128x128 block scales (numerics: float32 GEMMs)
+  bf16-moments  "bf16;opt_state=bf16": bf16 with Adam's moments stored in bfloat16 (8 bytes per parameter)
 
 For each: the step is lowered and compiled ahead of time (`jax.jit(step).lower(state, batch).compile()`, whose
 `memory_analysis()` gives the argument, output, temp and aliased bytes; the later jitted calls hit the same cache),
@@ -185,7 +189,7 @@ def _main_rows(results: dict) -> list[str]:
             lines.append(f"| {name} | failed: {r['error']} |" + " |" * 11)
             continue
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        if name == "fp8" and r.get("mfu_16bit") is not None:
+        if name.startswith("fp8") and r.get("mfu_16bit") is not None:
             mfu += f" ({100 * r['mfu_16bit']:.1f}%)"
         calls = r.get("custom_calls") or {}
         lines.append(
@@ -247,7 +251,7 @@ def parse_args(argv=None):
     p.add_argument("--data", default=None, help="directory of nanoGPT's train.bin/val.bin: time real tokens (the "
                    "vocabulary from its meta.pkl, else 50304)")
     p.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
-                   help="which precisions to run (default: all five)")
+                   help="which precisions to run (default: all)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="run each precision in its own subprocess (default: on, off with --tiny)")
     p.add_argument("--out", default=None, help=f"markdown table to write (default: {DEFAULT_OUT.relative_to(REPO)}, "

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import source_info_util
 
+from jaxamp.fp8_recipes import FP8_SCOPE
 from jaxamp.gradients import gradients
 from jaxamp.precision import policy_name
 
@@ -102,6 +103,17 @@ def _where(eqn) -> tuple[str, str]:
             continue
         return f"{os.path.basename(name)}:{frame.start_line}", library
     return "?", library
+
+
+def _fp8_formats(eqn) -> tuple[str, str] | None:
+    """The FP8 formats of a matmul on dequantized FP8 operands (`jaxamp.fp8_recipes` names its scope after them:
+    the dot itself is float32 x float32 on `convert(f8) * scale`), or None."""
+    for entry in reversed(getattr(eqn.source_info.name_stack, "stack", ())):
+        name = str(getattr(entry, "name", entry))
+        if name.startswith(FP8_SCOPE + ":"):
+            _, lhs, rhs = name.split(":")
+            return lhs, rhs
+    return None
 
 
 def _pass(eqn) -> str:
@@ -172,13 +184,13 @@ class _Walk:
                 self.visit(sub, trips * inner_trips, compute_half)
 
     def _matmul(self, eqn, trips, compute_half) -> None:
-        lhs, rhs = _dtype(eqn.invars[0]), _dtype(eqn.invars[1])
+        lhs, rhs = _fp8_formats(eqn) or (_dtype(eqn.invars[0]), _dtype(eqn.invars[1]))
         source, library = _where(eqn)
         row = {"source": source, "library": library, "primitive": eqn.primitive.name, "lhs": lhs, "rhs": rhs,
                "out": _dtype(eqn.outvars[0]), "flops": _matmul_flops(eqn) * trips, "pass": _pass(eqn),
                "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}"}
         self.rows.append(row)
-        if compute_half and not (_is_half(eqn.invars[0].aval.dtype) and _is_half(eqn.invars[1].aval.dtype)):
+        if compute_half and not (_is_half(lhs) and _is_half(rhs)):
             if self.first_fallback is None:
                 self.first_fallback = (row, eqn)
 
@@ -264,11 +276,22 @@ class PrecisionReport:
     fallbacks: tuple
     half_accumulations: tuple
 
+    @property
+    def fp8_fraction(self) -> float:
+        """Share of the matmul FLOPs whose operands are both FP8 (`jaxamp.fp8_recipes` matmuls and Flax's FP8 ops
+        on FP8 operands); 0.0 when the step has no matmul."""
+        total = sum(r["flops"] for r in self.rows)
+        fp8 = sum(r["flops"] for r in self.rows if r["lhs"].startswith("float8") and r["rhs"].startswith("float8"))
+        return fp8 / total if total else 0.0
+
     def summary(self) -> str:
-        """One line: the half share, the fallbacks and half-precision sums, and the largest source of each."""
+        """One line: the half share (and the FP8 share where there is one), the fallbacks and half-precision sums,
+        and the largest source of each."""
         total = sum(r["flops"] for r in self.rows)
         text = (f"precision audit ({self.policy}): {100 * self.half_fraction:.1f}% of {total / 1e9:.3g} GFLOP of "
                 f"matmuls in half precision")
+        if self.fp8_fraction:
+            text += f" ({100 * self.fp8_fraction:.1f}% in FP8)"
         if self.fallbacks:
             worst = max(self.fallbacks, key=lambda r: r["flops"])
             text += f"; {len(self.fallbacks)} in float32, largest at {worst['source']}"

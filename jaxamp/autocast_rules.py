@@ -28,6 +28,8 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
+from jaxamp.fp8_recipes import fp8_dot_general
+
 __all__ = [
     "FLOAT32_OPS",
     "MATMUL_OPS",
@@ -99,9 +101,14 @@ class Mode:
     Attributes:
       compute: the half-precision compute dtype (bfloat16 or float16) of `autocast`; None in `float32_reference`
         mode, where every floating value is float32 and matmuls run at `Precision.HIGHEST`.
+      fp8: a `jaxamp.fp8_recipes.Recipe` for the weight matmuls (`dot_general` without batch dimensions), or None.
+      fp8_exclude: compiled regular expressions; a matmul whose innermost name-stack entry (the Flax module's name)
+        matches one keeps the compute dtype.
     """
 
     compute: np.dtype | None
+    fp8: Any = None
+    fp8_exclude: tuple = ()
 
     @property
     def reference(self) -> bool:
@@ -269,7 +276,40 @@ def matmul_rule(eqn, vals, mode: Mode, bounds=None) -> list:
         target = mode.compute
         if pet is None or np.dtype(pet) == widest(orig):
             params["preferred_element_type"] = target
+        if fp8_applies(eqn, mode):
+            return [fp8_dot(eqn, [cast(x, target) for x in vals[:n]], params, mode)]
     return checked_bind(eqn, [cast(x, target) for x in vals[:n]] + list(vals[n:]), params)
+
+
+def innermost_scope(eqn) -> str:
+    """The innermost entry of `eqn`'s name stack (a Flax module's name: `"logitdense"`, `"lm_head"`), or ""."""
+    stack = getattr(eqn.source_info.name_stack, "stack", ())
+    return str(getattr(stack[-1], "name", stack[-1])) if stack else ""
+
+
+def fp8_applies(eqn, mode: Mode) -> bool:
+    """Whether the FP8 recipe takes this matmul: a `dot_general` without batch dimensions (a weight matmul; the
+    attention's batched score and value matmuls keep the compute dtype, as Transformer Engine's Linear layers do),
+    not excluded by name, and of sizes the recipe takes (MXFP8: multiples of 32)."""
+    if mode.fp8 is None or eqn.primitive.name != "dot_general":
+        return False
+    (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+    if lb or any(p.search(innermost_scope(eqn)) for p in mode.fp8_exclude):
+        return False
+    if mode.fp8.multiple is None:
+        return True
+    lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    k = int(np.prod([lhs[d] for d in lc]))
+    m = int(np.prod([s for d, s in enumerate(lhs) if d not in lc]))
+    n_ = int(np.prod([s for d, s in enumerate(rhs) if d not in rc]))
+    return all(size % mode.fp8.multiple == 0 for size in (k, m, n_))
+
+
+def fp8_dot(eqn, operands: list, params: dict, mode: Mode):
+    """The matmul through `jaxamp.fp8_recipes.fp8_dot_general` under `mode.fp8` (stateless scaling)."""
+    lhs, rhs = operands
+    return fp8_dot_general(lhs, rhs, params["dimension_numbers"], preferred_element_type=params[
+        "preferred_element_type"], recipe=mode.fp8, compute_dtype=mode.compute)
 
 
 def float32_rule(eqn, vals, mode: Mode, bounds=None) -> list:

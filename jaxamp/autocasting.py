@@ -106,6 +106,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -125,8 +126,9 @@ from jaxamp.autocast_rules import (
     strong_cast,
     tangent_dtype,
 )
+from jaxamp.fp8_recipes import FP8_EXCLUDE, get_recipe
 
-__all__ = ["AutocastError", "autocast", "disabled", "float32_reference"]
+__all__ = ["FP8_EXCLUDE", "AutocastError", "autocast", "disabled", "float32_reference"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -138,13 +140,24 @@ _DTYPE_NAMES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float16": jnp.f
 # --------------------------------------------------------------------------------------------------------- public API
 
 
-def autocast(fn: F, dtype: Any) -> F:
+def autocast(fn: F, dtype: Any, *, fp8: Any = None, fp8_exclude: Sequence[str] = FP8_EXCLUDE) -> F:
     """`fn` with its matmuls in `dtype` and its sensitive ops in float32 (torch.amp's autocast op lists, CUDA).
+
+    With `fp8`, the weight matmuls (`dot_general` without batch dimensions: Dense, Conv1D-as-matmul, einsum
+    projections) run through `jaxamp.fp8_recipes.fp8_dot_general` under that stateless recipe (`"current"`:
+    Transformer Engine's Float8CurrentScaling; `"block"`: DeepSeek-V3's 1x128 / 128x128 tiles; `"mxfp8"`), their
+    result in `dtype`; the attention's batched matmuls, convolutions and the matmuls `fp8_exclude` names keep
+    `dtype`, as Transformer Engine keeps the output head and attention in bf16 by default.
 
     Args:
       fn: ordinary float32 JAX code: a function of pytrees of arrays and static Python values (a linen
         `model.apply`, a function calling NNX or Equinox modules, plain `jnp`).
       dtype: the compute dtype: `jnp.bfloat16` / `"bfloat16"` / `"bf16"` or `jnp.float16` / `"float16"` / `"fp16"`.
+      fp8: None, or a recipe name of `jaxamp.fp8_recipes.RECIPES` (or a `Recipe`) for the weight matmuls.
+      fp8_exclude: regular expressions (`re.search`) over the innermost name-stack entry of a matmul, which is the
+        Flax module's name in linen and Hugging Face Flax models (`"logitdense"`, `"lm_head"`); a match keeps
+        `dtype`. Default `FP8_EXCLUDE`: the output head. NNX, Equinox and plain `jnp` code have no module names
+        there: wrap such a matmul in `jax.named_scope("head")` to exclude it.
 
     Returns:
       A function with `fn`'s signature and output structure; outputs keep their shapes, floating ones take the
@@ -156,12 +169,27 @@ def autocast(fn: F, dtype: Any) -> F:
     """
     compute = _compute_dtype(dtype)
     _check_callable(fn, "autocast")
+    mode = Mode(compute, *_fp8_mode(fp8, fp8_exclude))
 
     @functools.wraps(fn)
     def autocast_fn(*args, **kwargs):
-        return _run(fn, args, kwargs, Mode(compute))
+        return _run(fn, args, kwargs, mode)
 
     return autocast_fn  # type: ignore[return-value]
+
+
+def _fp8_mode(fp8, fp8_exclude) -> tuple:
+    """`(Recipe or None, compiled patterns)`; ValueError for an unknown recipe or a pattern that is not a regex."""
+    if fp8 is None:
+        return None, ()
+    if isinstance(fp8_exclude, str):
+        fp8_exclude = (fp8_exclude,)
+    try:
+        patterns = tuple(re.compile(p) for p in fp8_exclude)
+    except (re.error, TypeError) as err:
+        raise ValueError(f"fp8_exclude must be regular expressions over module names, got {fp8_exclude!r}: {err}") \
+            from None
+    return get_recipe(fp8), patterns
 
 
 def float32_reference(fn: F) -> F:

@@ -49,7 +49,8 @@ from jax import lax
 from jaxamp import fp8_quant
 from jaxamp.fp8_quant import E4M3, E5M2, MX_TILE, ROW_TILE, WEIGHT_TILE, check_mxfp8_dim, dequantize
 
-__all__ = ["RECIPES", "Operand", "Recipe", "fp8_dot_general", "get_recipe", "recipe_dot_general"]
+__all__ = ["FP8_EXCLUDE", "FP8_SCOPE", "RECIPES", "Operand", "Recipe", "fp8_dot_general", "fp8_scope", "get_recipe",
+           "recipe_dot_general"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +134,21 @@ def _dot(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], op_a: O
     lhs, rhs = dequantize(*a, op_a.tile), dequantize(*b, op_b.tile)  # convert(f8 -> f32) * scale
     batch = tuple(range(lhs.ndim - 2))
     dims = (((lhs.ndim - 1,), (rhs.ndim - 1,)), (batch, batch))
-    return lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32)
+    with jax.named_scope(fp8_scope(op_a.dtype, op_b.dtype)):  # the precision audit reads the FP8 formats here
+        return lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+FP8_SCOPE = "jaxamp_fp8"
+
+# The matmuls `jaxamp.autocast(..., fp8=...)` keeps in the compute dtype by default (regular expressions over the
+# innermost module name): the output head (lm1b's "logitdense", GPT-2's "lm_head"), which Transformer Engine's
+# recipes also leave in bf16.
+FP8_EXCLUDE = ("head", "logit")
+
+
+def fp8_scope(lhs_dtype, rhs_dtype) -> str:
+    """The name scope around an FP8 matmul on dequantized operands: `"jaxamp_fp8:float8_e4m3fn:float8_e5m2"`."""
+    return f"{FP8_SCOPE}:{jnp.dtype(lhs_dtype).name}:{jnp.dtype(rhs_dtype).name}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from jaxamp import fp8_collection as fp8c
-from jaxamp.autocasting import autocast
+from jaxamp.autocasting import FP8_EXCLUDE, autocast
 from jaxamp.grad_stats import underflow_stats
-from jaxamp.precision import uses_autocast
+from jaxamp.precision import fp8_recipe, uses_autocast
 from jaxamp.state import TrainState
 from jaxamp.trainable import merge_frozen, split_frozen
 
@@ -131,7 +131,10 @@ def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
 def compute_loss(policy, loss_fn: Callable) -> Callable:
     """`loss_fn` as the policy runs it on its compute copy of the params: as it is (the params arrive cast), or
     under `jaxamp.autocast` with the compute dtype for an autocast policy (the params arrive float32)."""
-    return autocast(loss_fn, policy.compute_dtype) if uses_autocast(policy) else loss_fn
+    if not uses_autocast(policy):
+        return loss_fn
+    return autocast(loss_fn, policy.compute_dtype, fp8=fp8_recipe(policy),
+                    fp8_exclude=getattr(policy, "fp8_exclude", FP8_EXCLUDE))
 
 
 def split_micro(batch: PyTree, accum_steps: int) -> PyTree:

@@ -23,10 +23,12 @@ import jax
 import jax.numpy as jnp
 import jmp
 
+from jaxamp.fp8_recipes import FP8_EXCLUDE, RECIPES
+
 PyTree = Any
 
-__all__ = ["PRESETS", "Policy", "auto_precision", "get_policy", "keep_matches", "leaf_path", "needs_loss_scaling",
-           "policy_name", "uses_autocast", "uses_fp8"]
+__all__ = ["FP8_RECIPE_SPECS", "PRESETS", "Policy", "auto_precision", "fp8_recipe", "get_policy", "keep_matches",
+           "leaf_path", "needs_loss_scaling", "opt_state_dtype", "policy_name", "uses_autocast", "uses_fp8"]
 
 
 def leaf_path(path) -> str:
@@ -79,6 +81,13 @@ class Policy(jmp.Policy):
         `TrainState.create` and `with_policy` refuse a pattern that matches no leaf of their params.
       fp8: the model's Dense matmuls run in FP8 (a flag for the model; see `uses_fp8`).
       autocast: `loss_fn` runs under `jaxamp.autocast` on the uncast master weights (see `uses_autocast`).
+      fp8_recipe: under autocast, the stateless FP8 recipe of the weight matmuls (`"current"`, `"block"`,
+        `"mxfp8"`: `jaxamp.fp8_recipes`), or None. The `"fp8-current"`, `"fp8-block"` and `"mxfp8"` specs set it.
+      fp8_exclude: regular expressions over module names whose matmuls stay in the compute dtype under
+        `fp8_recipe` (`jaxamp.autocast`'s `fp8_exclude`; default the output head).
+      opt_state_dtype: `"bfloat16"` or `"float16"`: `TrainState.create` stores the optax state's floating arrays
+        (Adam's moments) in it (`jaxamp.opt_state.low_precision_state`: the update in float32, storage narrow), or
+        None (float32). The `";opt_state=bf16"` rule sets it.
     """
 
     keep_float32: tuple[str, ...] = ()
@@ -86,6 +95,9 @@ class Policy(jmp.Policy):
     # Not in the repr, which checkpoint records hold in their structure string: records written before the field
     # existed must keep matching. The policy's name (`policy_name`), recorded and compared too, says "autocast".
     autocast: bool = dataclasses.field(default=False, repr=False)
+    fp8_recipe: str | None = dataclasses.field(default=None, repr=False)
+    fp8_exclude: tuple[str, ...] = dataclasses.field(default=FP8_EXCLUDE, repr=False)
+    opt_state_dtype: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # A string would be read as one pattern per character, and "*" keeps every leaf float32.
@@ -120,8 +132,15 @@ PRESETS: dict[str, jmp.Policy] = {
     "fp8": Policy(jnp.float32, jnp.bfloat16, jnp.float32, fp8=True),
 }
 
+# Stateless FP8 recipes (jaxamp.fp8_recipes) as policies: float32 master weights, autocast with bfloat16 compute and
+# the weight matmuls in FP8, no FP8 state (Transformer Engine's Float8CurrentScaling / Float8BlockScaling, MXFP8).
+FP8_RECIPE_SPECS = {"fp8-current": "current", "fp8-block": "block", "mxfp8": "mxfp8"}
+
 _JMP_FORMS = ('"params=float32,compute=float16,output=float32"', '"p=f32,c=bf16"', 'a dtype name such as "float32"')
-_RULES = "';keep_float32=PATTERN,PATTERN', ';autocast' and ';fp8'"
+_RULES = ("';keep_float32=PATTERN,PATTERN', ';autocast', ';fp8', ';fp8=RECIPE' (current, block, mxfp8: autocast with "
+          "stateless FP8 weight matmuls), ';fp8_exclude=REGEX,REGEX' and ';opt_state=bf16' (or fp16: the "
+          "optimizer state's dtype)")
+_OPT_STATE_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 
 
 def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[str] = (),
@@ -149,7 +168,7 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
         `keep_float32` or a float32 compute dtype.
     """
     _patterns(keep_float32)
-    fp8 = False
+    fp8, recipe, exclude, opt_dtype = False, None, None, None
     if isinstance(spec, str) and ";" in spec:
         spec, *rules = spec.split(";")
         for rule in (r.strip() for r in rules):
@@ -160,18 +179,45 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
                 autocast = True
             elif name.strip() == "keep_float32" and patterns.strip():
                 keep_float32 = (*[p.strip() for p in patterns.split(",") if p.strip()], *keep_float32)
+            elif name.strip() == "fp8" and patterns.strip():
+                recipe = _recipe_name(patterns.strip())
+            elif name.strip() == "fp8_exclude":
+                exclude = tuple(p.strip() for p in patterns.split(",") if p.strip())
+            elif name.strip() == "opt_state":
+                if patterns.strip().lower() not in _OPT_STATE_DTYPES:
+                    raise ValueError(f"';opt_state={patterns.strip()}': the optimizer state is stored in bf16 or "
+                                     "fp16 (float32 is the default: leave the rule out)")
+                opt_dtype = _OPT_STATE_DTYPES[patterns.strip().lower()]
             else:
                 raise ValueError(f"unknown policy rule {rule!r}: the rules are {_RULES}")
+    if isinstance(spec, str) and spec.strip().lower() in FP8_RECIPE_SPECS:
+        recipe = recipe or FP8_RECIPE_SPECS[spec.strip().lower()]
+        spec = "bf16"
     base = _base_policy(spec)
     keep = tuple(dict.fromkeys((*getattr(base, "keep_float32", ()), *keep_float32)))  # in order, once each
     fp8 = fp8 or getattr(base, "fp8", False)
-    autocast = bool(autocast or getattr(base, "autocast", False))
+    recipe = recipe or getattr(base, "fp8_recipe", None)
+    autocast = bool(autocast or getattr(base, "autocast", False) or recipe)
     if autocast:
         _check_autocast(base, keep)
-    if not keep and not fp8 and not autocast:
+    if recipe and fp8:
+        raise ValueError(f"';fp8' (delayed scaling through Flax's FP8 ops) and the stateless recipe {recipe!r} are "
+                         "two FP8 schemes: pick one ('fp8' or 'fp8-current', 'fp8-block', 'mxfp8')")
+    if exclude is not None and not recipe:
+        raise ValueError("';fp8_exclude=...' names matmuls to keep out of a stateless FP8 recipe; add ';fp8=current' "
+                         "(or use 'fp8-current', 'fp8-block', 'mxfp8')")
+    opt_dtype = opt_dtype or getattr(base, "opt_state_dtype", None)
+    if not keep and not fp8 and not autocast and not opt_dtype:
         return base
+    exclude = exclude if exclude is not None else getattr(base, "fp8_exclude", FP8_EXCLUDE)
     return Policy(base.param_dtype, base.compute_dtype, base.output_dtype, keep_float32=keep, fp8=fp8,
-                  autocast=autocast)
+                  autocast=autocast, fp8_recipe=recipe, fp8_exclude=tuple(exclude), opt_state_dtype=opt_dtype)
+
+
+def _recipe_name(name: str) -> str:
+    if name not in RECIPES:
+        raise ValueError(f"unknown FP8 recipe {name!r} in ';fp8={name}': the recipes are {', '.join(RECIPES)}")
+    return name
 
 
 def _check_autocast(base: jmp.Policy, keep: tuple) -> None:
@@ -186,6 +232,17 @@ def _check_autocast(base: jmp.Policy, keep: tuple) -> None:
 def uses_autocast(policy: jmp.Policy) -> bool:
     """Whether `policy` runs `loss_fn` under `jaxamp.autocast` (`get_policy(..., autocast=True)`, `";autocast"`)."""
     return bool(getattr(policy, "autocast", False))
+
+
+def opt_state_dtype(policy: jmp.Policy) -> str | None:
+    """The dtype name the optimizer state is stored in under `policy` (`"bfloat16"`, `"float16"`), or None."""
+    return getattr(policy, "opt_state_dtype", None)
+
+
+def fp8_recipe(policy: jmp.Policy) -> str | None:
+    """The stateless FP8 recipe of `policy`'s weight matmuls under autocast (`"current"`, `"block"`, `"mxfp8"`), or
+    None."""
+    return getattr(policy, "fp8_recipe", None)
 
 
 def uses_fp8(policy: jmp.Policy) -> bool:
@@ -223,8 +280,17 @@ def policy_name(policy: jmp.Policy, *, rules: bool = True) -> str:
     name = next((n for n, preset in PRESETS.items() if preset == base), str(base))
     if uses_fp8(policy):
         name = "fp8" if base == PRESETS["bf16"] else f"{name};fp8"
-    if uses_autocast(policy):
+    recipe = fp8_recipe(policy)
+    if recipe:
+        spec = next((n for n, r in FP8_RECIPE_SPECS.items() if r == recipe), None)
+        name = spec if base == PRESETS["bf16"] and spec else f"{name};autocast;fp8={recipe}"
+        exclude = tuple(getattr(policy, "fp8_exclude", FP8_EXCLUDE))
+        if exclude != FP8_EXCLUDE:
+            name = f"{name};fp8_exclude={','.join(exclude)}"
+    elif uses_autocast(policy):
         name = f"{name};autocast"
+    if opt_state_dtype(policy):
+        name = f"{name};opt_state={'bf16' if opt_state_dtype(policy) == 'bfloat16' else 'fp16'}"
     keep = getattr(policy, "keep_float32", ())
     return f"{name};keep_float32={','.join(keep)}" if rules and keep else name
 

@@ -15,7 +15,8 @@ import optax
 from jaxamp.fp8_collection import check_policy as _check_fp8_policy
 from jaxamp.fp8_collection import merge_fp8, split_fp8
 from jaxamp.loss_scale import LossScale
-from jaxamp.precision import get_policy, keep_matches, leaf_path
+from jaxamp.opt_state import low_precision_state
+from jaxamp.precision import get_policy, keep_matches, leaf_path, opt_state_dtype
 from jaxamp.trainable import split_frozen, trainable_mask
 
 PyTree = Any
@@ -146,6 +147,10 @@ class TrainState:
                 f"the master weights are {old.name} but the new policy keeps them in {new.name}: the optimizer state "
                 f"was made for {old.name} weights; switch to a policy with {old.name} master weights (the presets "
                 f"fp32, bf16 and fp16 all keep float32), or start a new run from the weights")
+        if opt_state_dtype(policy) != opt_state_dtype(self.policy):
+            raise ValueError(f"the optimizer state is stored in {opt_state_dtype(self.policy) or 'float32'} but the "
+                             f"new policy stores it in {opt_state_dtype(policy) or 'float32'} (its optax "
+                             "transformation differs): keep the ';opt_state=' rule of the state's policy")
         _check_fp8_policy(policy, self.params)
         _check_keep_float32(policy, split_fp8(self.params)[0])
         return self.replace(policy=policy, loss_scale=loss_scale)
@@ -173,6 +178,7 @@ class TrainState:
         Args:
           params: the initial weights, every leaf a float array (any float dtype).
           tx: an optax transformation (clipping, schedules and weight decay inside it see unscaled gradients).
+            A policy with `";opt_state=bf16"` wraps it in `jaxamp.opt_state.low_precision_state` (bf16 moments).
           policy: a `jmp.Policy`, e.g. `jaxamp.get_policy("fp16")`, or a spec `get_policy` accepts ("fp16").
           loss_scale: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`.
           rng: a PRNG key, typed (`jax.random.key`) or raw (`jax.random.PRNGKey`), threefry2x32 (JAX's default);
@@ -201,6 +207,8 @@ class TrainState:
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             raise ValueError(f"tx must be an optax GradientTransformation, e.g. optax.adamw(1e-3), got "
                              f"{type(tx).__name__}")
+        if opt_state_dtype(policy):  # ";opt_state=bf16": the moments stored narrow, updated in float32
+            tx = low_precision_state(tx, opt_state_dtype(policy))
         regular, fp8 = split_fp8(jax.tree_util.tree_map_with_path(_float_array, params))
         _check_fp8_policy(policy, params)
         regular = policy.cast_to_param(regular)  # the FP8 scales and histories stay float32

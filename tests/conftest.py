@@ -32,6 +32,19 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if any(name in getattr(item, "fixturenames", ()) for name in SHARED_FIXTURES):
             item.add_marker(pytest.mark.shared_data)
+        group = _module_fixture_group(item)
+        if group:  # under `-n 2 --dist loadgroup` (CI), the tests sharing an expensive module fixture share a worker
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _module_fixture_group(item) -> str | None:
+    """`file::fixture` of the first module-scoped fixture defined in the test's own file that it uses, or None."""
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        for fixturedef in (info.name2fixturedefs.get(name, ()) if info else ()):
+            if fixturedef.scope == "module" and str(fixturedef.baseid).endswith(item.path.name):
+                return f"{item.path.name}::{name}"
+    return None
 
 
 @pytest.fixture(autouse=True)

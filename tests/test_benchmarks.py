@@ -91,13 +91,15 @@ def test_nnx_overhead_benchmark_tiny(tmp_path):
 @pytest.mark.slow
 def test_gpu_throughput_tiny(tmp_path):
     out = tmp_path / "gpu.md"
-    proc = run_script("benchmarks/gpu_throughput.py", "--tiny", "--steps", "2", "--out", str(out))
+    first = ("fp32-highest", "fp32", "bf16", "bf16-fused", "fp16", "fp8")
+    proc = run_script("benchmarks/gpu_throughput.py", "--tiny", "--steps", "2", "--precisions", *first, "--out",
+                      str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     assert text in proc.stdout
     assert "device: cpu" in text and "jax " in text
     main_rows, memory_rows = (table_rows(part) for part in text.split("## Memory"))
-    for precision in ("fp32-highest", "fp32", "bf16", "bf16-fused", "fp16", "fp8"):
+    for precision in first:
         cells = main_rows[precision]
         assert number(cells[0]) > 0 and number(cells[2]) > 0, cells  # step ms, tokens/s
         assert cells[3] == "n/a"  # MFU: no peak for a CPU
@@ -106,6 +108,23 @@ def test_gpu_throughput_tiny(tmp_path):
         assert number(mem[-1]) > 0
     # The fused head + loss starts from the same weights and batch: the same first loss (to the table's 3 decimals).
     assert main_rows["bf16-fused"][9].split(" -> ")[0] == main_rows["bf16"][9].split(" -> ")[0]
+
+
+@pytest.mark.slow
+def test_gpu_throughput_tiny_autocast_fp8_recipes_and_bf16_moments(tmp_path):
+    """The rows for the next GPU run: the LM under autocast, the stateless FP8 recipes, bf16 Adam moments."""
+    out = tmp_path / "gpu.md"
+    rows = ("bf16", "bf16-autocast", "fp8-current", "fp8-block", "bf16-moments")
+    proc = run_script("benchmarks/gpu_throughput.py", "--tiny", "--steps", "1", "--warmup", "1", "--precisions", *rows,
+                      "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    main_rows, memory_rows = (table_rows(part) for part in out.read_text().split("## Memory"))
+    for precision in rows:
+        cells = main_rows[precision]
+        assert number(cells[0]) > 0 and number(cells[2]) > 0, cells
+    # One model, one batch, the same weights: every row starts from about the same loss.
+    first_losses = [float(main_rows[p][9].split(" -> ")[0]) for p in rows]
+    assert max(first_losses) - min(first_losses) < 0.05, first_losses
 
 
 @pytest.mark.slow

@@ -42,7 +42,8 @@ SLOW_PAGES = {"docs/guide/autocast.md", "docs/guide/nnx.md", "docs/guide/scale-o
 
 # The public names the API reference must hold: every public library module's __all__, and the application's entry
 # points.
-PUBLIC_MODULES = ("jaxamp", "jaxamp.loss_scale", "jaxamp.precision", "jaxamp.state", "jaxamp.step", "jaxamp.audit",
+PUBLIC_MODULES = ("jaxamp", "jaxamp.loss_scale", "jaxamp.precision", "jaxamp.state", "jaxamp.opt_state", "jaxamp.step",
+                  "jaxamp.audit",
                   "jaxamp.autocasting", "jaxamp.autocast_rules", "jaxamp.fp8_recipes", "jaxamp.fp8_quant",
                   "jaxamp.gradients", "jaxamp.finite", "jaxamp.metrics", "jaxamp.trainable", "jaxamp.fp8_collection",
                   "jaxamp.fidelity", "jaxamp.diagnostics", "jaxamp.fp8_report", "jaxamp.grad_stats", "jaxamp.layers",
@@ -146,7 +147,8 @@ def check_loss_scaling(lines):
 
 
 def check_policies(lines):
-    assert lines == ["True ['down/bias', 'down/kernel'] True", "float16 1"], lines
+    assert lines == ["True ['down/bias', 'down/kernel'] True", "float16 1", "bf16 12.0 float32",
+                     "bf16;opt_state=bf16 8.0 bfloat16"], lines
 
 
 def check_nnx(lines):
@@ -164,7 +166,10 @@ def check_nnx(lines):
 
 
 def check_fp8(lines):
-    assert len(lines) == 7, lines
+    assert len(lines) == 8, lines
+    # fp8-current on a plain float32 model: finite, the hidden layer in FP8 (most FLOPs), the head bf16
+    assert re.fullmatch(r"True 0\.9\d \[\('bfloat16', 'bfloat16'\), \('float8_e4m3fn', 'float8_e4m3fn'\)\]",
+                        lines[7]), lines
     _falling_finite_steps(lines[:3])
     assert lines[3] == "float32 (1024,) True", lines  # FP8 state float32, delayed scaling moved the input scale
     assert lines[4] == ("[('Dense_0/Fp8DirectDotGeneralOp_0', 'input'), ('Dense_0/Fp8DirectDotGeneralOp_0', "

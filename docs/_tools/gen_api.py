@@ -21,6 +21,7 @@ MODULES = {
     "jaxamp.loss_scale": "loss scales and their registry",
     "jaxamp.precision": "precision policies",
     "jaxamp.state": "the training state",
+    "jaxamp.opt_state": "optimizer state in bfloat16",
     "jaxamp.step": "the train and eval steps",
     "jaxamp.autocasting": "autocast: mixed precision for any JAX code",
     "jaxamp.autocast_rules": "autocast's op classes and per-primitive rules",
@@ -65,6 +66,11 @@ DATA_DOCS = {
     "NEAR_ZERO": "A leaf whose float32 gradient RMS is below this fraction of the whole gradient's counts as near "
                  "zero.",
     "RECIPES": "The stateless FP8 recipes by name (``current``, ``block``, ``mxfp8``).",
+    "FP8_RECIPE_SPECS": "The policy specs of the stateless FP8 recipes (``fp8-current``, ``fp8-block``, ``mxfp8``) "
+                        "and the recipe each names.",
+    "FP8_EXCLUDE": "The default ``fp8_exclude`` of ``autocast``: regular expressions over module names whose "
+                   "matmuls keep the compute dtype (the output head).",
+    "FP8_SCOPE": "The prefix of the name scope around an FP8 matmul, which the precision audit reads.",
     "E4M3": "``jnp.float8_e4m3fn``: inputs and weights (largest 448).",
     "E5M2": "``jnp.float8_e5m2``: output gradients of current scaling (largest 57344).",
     "FP8_MAX": "The largest finite value of each FP8 format.",

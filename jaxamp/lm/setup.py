@@ -32,7 +32,7 @@ from jaxamp.lm.model import (
 )
 from jaxamp.lm.workdir import BPE_DIR
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name, uses_fp8
+from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name, uses_autocast, uses_fp8
 from jaxamp.sharding import (
     format_mesh_spec,
     gather_to_host,
@@ -50,8 +50,8 @@ def make_policy(precision: str):
     """The LM's policy for `--precision`: with half-precision compute, its embedding tables stay float32 in the
     compute copy (`LM_KEEP_FLOAT32`), so their gradients accumulate exactly."""
     policy = get_policy(precision)
-    if jnp.dtype(policy.compute_dtype) == jnp.float32:
-        return policy
+    if jnp.dtype(policy.compute_dtype) == jnp.float32 or uses_autocast(policy):
+        return policy  # (autocast keeps lookups and their gradient sums float32 by itself)
     # FP8: `params` is the whole variables dict (the FP8 collection rides along), so the tables sit under "params/".
     keep = tuple(f"params/{p}" for p in LM_KEEP_FLOAT32) if uses_fp8(policy) else LM_KEEP_FLOAT32
     return get_policy(policy, keep_float32=keep)
