@@ -139,10 +139,11 @@ def _summed(eqn) -> int:
     if name in ("reduce_sum", "reduce_prod"):
         shape = eqn.invars[0].aval.shape
         return math.prod(shape[a] for a in eqn.params["axes"])
-    if name in _SCATTER_ADDS:
-        updates = eqn.invars[2].aval.shape
-        window = eqn.params["dimension_numbers"].update_window_dims
-        return math.prod(s for i, s in enumerate(updates) if i not in window)
+    if name in _SCATTER_ADDS:  # scatter dims of the updates, less the batching ones (one row each: no sum there,
+        updates, indices = eqn.invars[2].aval.shape, eqn.invars[1].aval.shape  # e.g. take_along_axis's gradient)
+        dims = eqn.params["dimension_numbers"]
+        batching = math.prod(indices[d] for d in getattr(dims, "scatter_indices_batching_dims", ()))
+        return math.prod(s for i, s in enumerate(updates) if i not in dims.update_window_dims) // max(batching, 1)
     return eqn.invars[0].aval.shape[eqn.params["axis"]] if eqn.invars[0].aval.shape else 1
 
 

@@ -214,3 +214,18 @@ def test_jaxamp_exports_the_audit():
     assert {"precision_audit", "PrecisionWarning", "PrecisionReport"} <= set(jaxamp.__all__)
     assert issubclass(PrecisionWarning, UserWarning)
     np.testing.assert_equal(jaxamp.audit.ABSORB_LIMIT, {"bfloat16": 256, "float16": 2048})
+
+
+def test_a_per_row_gather_gradient_is_no_half_sum_but_a_shared_row_is():
+    """take_along_axis (a loss's label pick) scatters one value per row: nothing accumulates. A bf16 table looked up
+    768 times at the same row does: 768 values into one element, past bfloat16's 256."""
+    from jaxamp.audit import audit_jaxpr
+
+    logits, labels = jnp.ones((12, 64, 65), jnp.bfloat16), jnp.zeros((12, 64), jnp.int32)
+    pick = jax.make_jaxpr(jax.grad(lambda l: jnp.take_along_axis(l, labels[..., None], -1).astype(jnp.float32).sum()))
+    report = audit_jaxpr(pick(logits), policy="bf16", compute_dtype=jnp.bfloat16)
+    assert report.half_accumulations == ()
+    table, ids = jnp.ones((65, 8), jnp.bfloat16), jnp.zeros((12, 64), jnp.int32)
+    lookup = jax.make_jaxpr(jax.grad(lambda t: t[ids].astype(jnp.float32).sum()))
+    sums = audit_jaxpr(lookup(table), policy="bf16", compute_dtype=jnp.bfloat16).half_accumulations
+    assert [(s["primitive"], s["dtype"], s["size"]) for s in sums] == [("scatter-add", "bfloat16", 768)]
