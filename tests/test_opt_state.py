@@ -93,3 +93,20 @@ def test_a_resume_with_bf16_moments_is_bitwise(tmp_path):
     assert_trees_equal(restored.opt_state, state.opt_state)
     assert dtypes(restored.opt_state[0].mu) == {"bfloat16"}
     assert np.asarray(restored.step) == 6
+
+
+@pytest.mark.slow
+def test_the_lm_trains_under_fp8_current_with_bf16_moments_and_says_its_bytes_per_parameter(tmp_path, capsys):
+    from jaxamp.lm.config import TrainConfig
+    from jaxamp.lm.train import train
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(chr(97 + (i * 7) % 26) for i in range(20000)))
+    summary = train(TrainConfig(data=str(corpus), steps=6, workdir=str(tmp_path / "run"), layers=1, heads=2,
+                                width=32, seq_len=16, batch_size=4, eval_every=3, eval_batches=1, log_every=1,
+                                sample_tokens=0, checkpoint_every=3, warmup_steps=1, progress=False,
+                                precision="fp8-current;opt_state=bf16"))
+    out = capsys.readouterr().out
+    assert summary["steps"] == 6 and np.isfinite(summary["val_loss"]), summary
+    assert "8.0 bytes per parameter with the optimizer state" in out
+    assert "precision audit (fp8-current;opt_state=bf16)" in out and "% in FP8)" in out

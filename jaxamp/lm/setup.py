@@ -32,6 +32,7 @@ from jaxamp.lm.model import (
 )
 from jaxamp.lm.workdir import BPE_DIR
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from jaxamp.opt_state import optimizer_bytes_per_param
 from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name, uses_autocast, uses_fp8
 from jaxamp.sharding import (
     format_mesh_spec,
@@ -163,7 +164,9 @@ class Run:
         """The line a run prints when it starts: sizes, data, tokens per step, precision, loss scale, mesh."""
         cfg, n = self.cfg, count_params(split_fp8(self.state.params)[0])
         dtype = jnp.dtype(self.state.policy.param_dtype)
-        return (f"jaxamp: {n:,} parameters ({n * dtype.itemsize / 2**20:.1f} MiB {dtype.name} master weights); data "
+        per_param = optimizer_bytes_per_param(split_fp8(self.state.params)[0], self.state.opt_state)
+        return (f"jaxamp: {n:,} parameters ({n * dtype.itemsize / 2**20:.1f} MiB {dtype.name} master weights; "
+                f"{per_param:.1f} bytes per parameter with the optimizer state); data "
                 f"{self.dataset.description}; vocab {self.dataset.vocab_size}; train {len(self.dataset.train):,} / val "
                 f"{len(self.dataset.val):,} tokens; {cfg.tokens_per_step():,} tokens per step; precision "
                 f"{policy_name(self.state.policy, rules=False)}"
