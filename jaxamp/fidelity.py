@@ -33,7 +33,7 @@ _F32 = jmp.Policy(jnp.float32, jnp.float32, jnp.float32)
 
 
 def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_steps: int = 1,
-                  reference_loss_fn: LossFn | None = None) -> dict[str, jax.Array]:
+                  reference_loss_fn: LossFn | None = None, axis_name: Any = None) -> dict[str, jax.Array]:
     """Relative L2 error of each trainable leaf's mixed-precision gradient against a float32 recomputation.
 
     Both gradients are unscaled float32 (the reference's matmuls at full float32 precision, `"highest"`: not TF32
@@ -53,6 +53,9 @@ def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
         overridden (it gets the params without the FP8 collection). None = `loss_fn` under `float32_reference`, or,
         with FP8 ops (the params hold an FP8 collection), `loss_fn` with those bypassed: each computes its plain
         matmul in float32 (`fp8_report.fp8_bypassed`), so the error includes what FP8 costs.
+      axis_name: inside `jax.pmap` or `shard_map`, the mapped axis: both gradients are averaged over it first (as
+        `train_step(..., axis_name=...)` averages them), so every device reports the errors of the gradients the
+        step applies.
 
     Returns:
       `{leaf path: f32[] error}`, keys as `jaxamp.precision.leaf_path` writes them (`"h_0/mlp/c_fc/kernel"`);
@@ -61,8 +64,10 @@ def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
     Raises:
       ValueError: a bad `loss_fn` or `accum_steps` (one line, as `train_step` says).
     """
-    return errors(*gradient_pair(state, batch, loss_fn, accum_steps=accum_steps,
-                                 reference_loss_fn=reference_loss_fn))
+    mixed, exact = gradient_pair(state, batch, loss_fn, accum_steps=accum_steps, reference_loss_fn=reference_loss_fn)
+    if axis_name is not None:
+        mixed, exact = jax.lax.pmean((mixed, exact), axis_name)
+    return errors(mixed, exact)
 
 
 def errors(mixed: PyTree, exact: PyTree) -> dict[str, jax.Array]:

@@ -283,6 +283,19 @@ CHILD = textwrap.dedent('''
           bool(np.asarray(pm[3]["grads_finite"]).any()))
     print("scales", float(ref.loss_scale.loss_scale), sorted(set(np.asarray(ps.loss_scale.loss_scale).tolist())),
           float(ss.loss_scale.loss_scale))
+    # 4. grad_fidelity under pmap with axis_name: the errors of the whole batch on every device
+    from jaxamp import NoOpLossScale
+    from jaxamp.fidelity import errors, grad_fidelity, gradient_pair
+    bf = TrainState.create(params=jax.tree.map(jnp.copy, MLP_PARAMS), tx=optax.adam(1e-2), policy="bf16",
+                           loss_scale=NoOpLossScale(), rng=jax.random.key(0))
+    shards = split(batches[0])
+    pairs = [gradient_pair(bf, jax.tree.map(lambda x: x[i], shards), mlp_loss) for i in range(8)]
+    mean = lambda trees: jax.tree.map(lambda *xs: sum(xs) / len(xs), *trees)
+    full = errors(mean([p[0] for p in pairs]), mean([p[1] for p in pairs]))  # the shards' mean gradients
+    per_device = jax.pmap(lambda s, b: grad_fidelity(s, b, mlp_loss, axis_name="batch"), axis_name="batch")(
+        stack(bf), shards)
+    print("fidelity", sorted(full) == sorted(per_device), same_everywhere(per_device),
+          max(abs(float(per_device[k][0]) / float(full[k]) - 1) for k in full))
 ''')
 
 
@@ -298,3 +311,5 @@ def test_pmap_and_shard_map_agree_with_the_jit_path_and_skip_together():
     assert out["skipped"] == "[True, True, True, False] [True, True, True, False] False", out  # device 3: all skip
     jit_scale, *pmap_scales, shard_scale = out["scales"].replace("[", "").replace("]", "").replace(",", "").split()
     assert jit_scale == shard_scale == "512.0" and pmap_scales == ["512.0"], out  # backed off once, everywhere
+    same_keys, same_devices, gap = out["fidelity"].split()
+    assert same_keys == same_devices == "True" and float(gap) < 1e-3, out  # the mean gradients' errors, everywhere
