@@ -222,7 +222,7 @@ def test_a_per_row_gather_gradient_is_no_half_sum_but_a_shared_row_is():
     from jaxamp.audit import audit_jaxpr
 
     logits, labels = jnp.ones((12, 64, 65), jnp.bfloat16), jnp.zeros((12, 64), jnp.int32)
-    pick = jax.make_jaxpr(jax.grad(lambda l: jnp.take_along_axis(l, labels[..., None], -1).astype(jnp.float32).sum()))
+    pick = jax.make_jaxpr(jax.grad(lambda z: jnp.take_along_axis(z, labels[..., None], -1).astype(jnp.float32).sum()))
     report = audit_jaxpr(pick(logits), policy="bf16", compute_dtype=jnp.bfloat16)
     assert report.half_accumulations == ()
     table, ids = jnp.ones((65, 8), jnp.bfloat16), jnp.zeros((12, 64), jnp.int32)
