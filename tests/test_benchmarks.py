@@ -392,9 +392,13 @@ def test_reference_tables(tmp_path, capsys):
     """reference_table.py and reference_bpe_table.py on summary.json files: one row per run, the fp32 comparison;
     a run without its files is one error line (exit 2)."""
     ref = load_script("benchmarks/reference_table.py")
-    runs = [_summary(tmp_path / "char" / p, p, v) for p, v in (("fp32", 1.89), ("fp16", 1.8905), ("fp8", 1.95))]
+    runs = [_summary(tmp_path / "char" / p.replace(";", "_"), p, v) for p, v in (
+        ("fp32", 1.89), ("fp16", 1.8905), ("fp8", 1.95), ("fp8-current", 1.8945), ("bf16;opt_state=bf16", 1.896))]
     assert ref.main([*map(str, runs), "--out", str(tmp_path / "ref.md")]) == 0
-    rows = table_rows((tmp_path / "ref.md").read_text())
+    text = (tmp_path / "ref.md").read_text()
+    rows = table_rows(text)
+    assert rows["fp8-current"][8] == "0.24% yes" and rows["bf16;opt_state=bf16"][8] == "0.32% NO"  # 0.3% targets
+    assert "--precision 'bf16;opt_state=bf16'" in text and "runs/reference/bf16-moments" in text
     assert rows["fp16"][1] == "1.8905" and rows["fp16"][7] == "yes" and rows["fp16"][8] == "0.03% yes"
     assert rows["fp8"][7] == "NO" and rows["fp8"][8] == "3.17% NO"  # outside the seed spread and 1% of fp32
     bpe = load_script("benchmarks/reference_bpe_table.py")

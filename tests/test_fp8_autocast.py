@@ -154,3 +154,12 @@ def test_fp8_current_on_flax_lm1b_unchanged_quantizes_all_but_head_and_attention
     assert rows[("backward", "float8_e5m2", "float8_e4m3fn")] == 2 * layers, rows
     assert reports["fp8-current"].half_fraction == 1.0 and not reports["fp8-current"].fallbacks
     assert abs(losses["fp8-current"] - losses["bf16;autocast"]) < 0.01 * losses["bf16;autocast"], losses
+
+
+def test_the_lm_refuses_an_amax_history_with_a_stateless_recipe_in_one_line():
+    from jaxamp.lm.config import ConfigError, TrainConfig, validate
+
+    validate(TrainConfig(precision="fp8-current"))  # the default history is no request
+    with pytest.raises(ConfigError, match="--fp8-amax-history is the history of delayed scaling") as err:
+        validate(TrainConfig(precision="fp8-current", fp8_amax_history=16))
+    assert "\n" not in str(err.value) and "drop --fp8-amax-history" in str(err.value)

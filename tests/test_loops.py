@@ -296,6 +296,33 @@ CHILD = textwrap.dedent('''
         stack(bf), shards)
     print("fidelity", sorted(full) == sorted(per_device), same_everywhere(per_device),
           max(abs(float(per_device[k][0]) / float(full[k]) - 1) for k in full))
+    # 5. BatchNorm's own cross-device mean (axis_name="batch") with model_state under pmap = one device, full batch
+    import flax.linen as nn
+    class BNAxis(nn.Module):
+        axis_name: object = None
+        @nn.compact
+        def __call__(self, x):
+            x = nn.BatchNorm(use_running_average=False, momentum=0.9, axis_name=self.axis_name)(nn.Dense(16)(x))
+            return nn.Dense(1)(nn.relu(x))
+    def bn_loss_for(net):
+        def loss(params, batch, rng, model_state):
+            y, updates = net.apply({"params": params, **model_state}, batch["x"], mutable=["batch_stats"])
+            return jnp.mean((y - batch["y"]) ** 2), updates
+        return loss
+    variables = BNAxis().init(jax.random.key(5), jnp.ones((2, 8)))
+    def bn_state():
+        return TrainState.create(params=variables["params"], tx=optax.sgd(0.1), policy="fp32",
+                                 loss_scale=NoOpLossScale(), rng=jax.random.key(6),
+                                 model_state={"batch_stats": variables["batch_stats"]})
+    one, many = bn_state(), stack(bn_state())
+    one_step = jax.jit(lambda s, b: train_step(s, b, bn_loss_for(BNAxis()))[0])
+    many_step = jax.pmap(lambda s, b: train_step(s, b, bn_loss_for(BNAxis("batch")), axis_name="batch")[0],
+                         axis_name="batch")
+    for b in batches[:3]:
+        one, many = one_step(one, b), many_step(many, split(b))
+    print("batchnorm", same_everywhere((many.params, many.model_state)),
+          close(jax.tree.map(lambda x: x[0], many.params), one.params),
+          close(jax.tree.map(lambda x: x[0], many.model_state), one.model_state))
 ''')
 
 
@@ -313,3 +340,5 @@ def test_pmap_and_shard_map_agree_with_the_jit_path_and_skip_together():
     assert jit_scale == shard_scale == "512.0" and pmap_scales == ["512.0"], out  # backed off once, everywhere
     same_keys, same_devices, gap = out["fidelity"].split()
     assert same_keys == same_devices == "True" and float(gap) < 1e-3, out  # the mean gradients' errors, everywhere
+    same, params_gap, stats_gap = out["batchnorm"].split()
+    assert same == "True" and float(params_gap) < 1e-5 and float(stats_gap) < 1e-5, out  # BatchNorm's pmean

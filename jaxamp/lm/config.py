@@ -12,7 +12,7 @@ from jaxamp.lm.corpus import DATA_FORMATS, TOKENIZERS
 from jaxamp.lm.model import REMAT_POLICIES
 from jaxamp.lm.presets import MODEL_PRESETS, PRESET_FIELDS
 from jaxamp.lm.token_files import TOKEN_DTYPES
-from jaxamp.precision import get_policy
+from jaxamp.precision import fp8_recipe, get_policy
 from jaxamp.sharding import check_distributed_args, distributed_args_from_env, parse_mesh_spec
 
 LOSS_SCALES = ("auto", "dynamic", "static", "none")
@@ -152,9 +152,13 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.loss_scale not in LOSS_SCALES:
         raise ConfigError(f"--loss-scale must be one of {', '.join(LOSS_SCALES)}, got {cfg.loss_scale!r}")
     try:
-        get_policy(cfg.precision)
+        policy = get_policy(cfg.precision)
     except ValueError as err:
         raise ConfigError(f"--precision: {err}") from None
+    if fp8_recipe(policy) and cfg.fp8_amax_history != TrainConfig.fp8_amax_history:
+        raise ConfigError(f"--fp8-amax-history is the history of delayed scaling (--precision fp8); --precision "
+                          f"{cfg.precision} computes each scale from the tensor itself and keeps no history: drop "
+                          "--fp8-amax-history")
     validate_scale_out(cfg)
 
 
