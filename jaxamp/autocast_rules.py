@@ -102,8 +102,8 @@ class Mode:
       compute: the half-precision compute dtype (bfloat16 or float16) of `autocast`; None in `float32_reference`
         mode, where every floating value is float32 and matmuls run at `Precision.HIGHEST`.
       fp8: a `jaxamp.fp8_recipes.Recipe` for the weight matmuls (`dot_general` without batch dimensions), or None.
-      fp8_exclude: compiled regular expressions; a matmul whose innermost name-stack entry (the Flax module's name)
-        matches one keeps the compute dtype.
+      fp8_exclude: compiled regular expressions; a matmul with a name on its name stack (a Flax module's name, a
+        `jax.named_scope`) that one matches keeps the compute dtype.
     """
 
     compute: np.dtype | None
@@ -281,10 +281,14 @@ def matmul_rule(eqn, vals, mode: Mode, bounds=None) -> list:
     return checked_bind(eqn, [cast(x, target) for x in vals[:n]] + list(vals[n:]), params)
 
 
-def innermost_scope(eqn) -> str:
-    """The innermost entry of `eqn`'s name stack (a Flax module's name: `"logitdense"`, `"lm_head"`), or ""."""
-    stack = getattr(eqn.source_info.name_stack, "stack", ())
-    return str(getattr(stack[-1], "name", stack[-1])) if stack else ""
+def scope_names(eqn) -> list[str]:
+    """The names on the matmul's name stack, outermost first: the enclosing ones (the interpreter re-binds each
+    equation inside its own name stack, so the current one holds the scopes around a nested jit such as
+    `jnp.einsum`'s) and the equation's own; Flax modules' names (`"decoder"`, `"logitdense"`, `"lm_head"`) and
+    `jax.named_scope`s."""
+    stack = list(getattr(source_info_util.current_name_stack(), "stack", ())) or \
+        list(getattr(eqn.source_info.name_stack, "stack", ()))
+    return [str(getattr(entry, "name", entry)) for entry in stack]
 
 
 def fp8_applies(eqn, mode: Mode) -> bool:
@@ -294,7 +298,7 @@ def fp8_applies(eqn, mode: Mode) -> bool:
     if mode.fp8 is None or eqn.primitive.name != "dot_general":
         return False
     (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
-    if lb or any(p.search(innermost_scope(eqn)) for p in mode.fp8_exclude):
+    if lb or any(p.search(name) for p in mode.fp8_exclude for name in scope_names(eqn)):
         return False
     if mode.fp8.multiple is None:
         return True

@@ -154,10 +154,11 @@ def autocast(fn: F, dtype: Any, *, fp8: Any = None, fp8_exclude: Sequence[str] =
         `model.apply`, a function calling NNX or Equinox modules, plain `jnp`).
       dtype: the compute dtype: `jnp.bfloat16` / `"bfloat16"` / `"bf16"` or `jnp.float16` / `"float16"` / `"fp16"`.
       fp8: None, or a recipe name of `jaxamp.fp8_recipes.RECIPES` (or a `Recipe`) for the weight matmuls.
-      fp8_exclude: regular expressions (`re.search`) over the innermost name-stack entry of a matmul, which is the
-        Flax module's name in linen and Hugging Face Flax models (`"logitdense"`, `"lm_head"`); a match keeps
-        `dtype`. Default `FP8_EXCLUDE`: the output head. NNX, Equinox and plain `jnp` code have no module names
-        there: wrap such a matmul in `jax.named_scope("head")` to exclude it.
+      fp8_exclude: regular expressions (`re.search`, case-sensitive) over the names on a matmul's name stack: the
+        Flax modules around it in linen and Hugging Face Flax models (`"decoder"`, `"logitdense"`, `"lm_head"`) and
+        any `jax.named_scope` (`jaxamp.layers.attend`'s `"head"`); a match keeps `dtype`. Default `FP8_EXCLUDE`:
+        the output head. NNX, Equinox and plain `jnp` code have no module names there: wrap such a matmul in
+        `jax.named_scope("head")` to exclude it.
 
     Returns:
       A function with `fn`'s signature and output structure; outputs keep their shapes, floating ones take the

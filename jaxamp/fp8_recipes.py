@@ -141,8 +141,8 @@ def _dot(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], op_a: O
 FP8_SCOPE = "jaxamp_fp8"
 
 # The matmuls `jaxamp.autocast(..., fp8=...)` keeps in the compute dtype by default (regular expressions over the
-# innermost module name): the output head (lm1b's "logitdense", GPT-2's "lm_head"), which Transformer Engine's
-# recipes also leave in bf16.
+# names on a matmul's name stack): the output head (lm1b's "logitdense", GPT-2's "lm_head", jaxamp.layers.attend's
+# "head" scope), which Transformer Engine's recipes also leave in bf16.
 FP8_EXCLUDE = ("head", "logit")
 
 

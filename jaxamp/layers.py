@@ -40,6 +40,9 @@ from jax import lax
 
 __all__ = ["Dense", "Embed", "add_bias", "attend", "attend_cross_entropy", "embed_lookup"]
 
+# The name scope of the tied head's matmuls: `jaxamp.autocast(..., fp8=...)`'s default `fp8_exclude` matches it.
+HEAD_SCOPE = "head"
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _lookup(table: jax.Array, ids: jax.Array, dtype) -> jax.Array:
@@ -133,9 +136,10 @@ def attend(x: jax.Array, table: jax.Array) -> jax.Array:
     if x.shape[-1] != table.shape[-1]:
         raise ValueError(f"x has {x.shape[-1]} features but the table {table.shape[-1]}: shapes {x.shape}, "
                          f"{table.shape}")
-    if x.dtype == table.dtype == jnp.float32:
-        return _dot_f32(x, table, "...d,vd->...v")
-    return _attend_half(x, table)
+    with jax.named_scope(HEAD_SCOPE):  # the output head, by name (FP8 recipes under autocast leave it bf16)
+        if x.dtype == table.dtype == jnp.float32:
+            return _dot_f32(x, table, "...d,vd->...v")
+        return _attend_half(x, table)
 
 
 def attend_cross_entropy(x: jax.Array, table: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
@@ -178,7 +182,8 @@ def attend_cross_entropy(x: jax.Array, table: jax.Array, targets: jax.Array, chu
     # end, where the gather fills NaN, as for ids >= vocab.
     t2 = targets.reshape(n).astype(jnp.int32)
     t2 = jnp.pad(jnp.where(t2 < 0, table.shape[0], t2), (0, pad))  # i32[tokens + pad]
-    return _chunked_ce(chunk, x2, table, t2)[:n].reshape(lead)
+    with jax.named_scope(HEAD_SCOPE):
+        return _chunked_ce(chunk, x2, table, t2)[:n].reshape(lead)
 
 
 def _block_logits(xc: jax.Array, table_c: jax.Array) -> jax.Array:

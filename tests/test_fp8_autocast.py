@@ -163,3 +163,19 @@ def test_the_lm_refuses_an_amax_history_with_a_stateless_recipe_in_one_line():
     with pytest.raises(ConfigError, match="--fp8-amax-history is the history of delayed scaling") as err:
         validate(TrainConfig(precision="fp8-current", fp8_amax_history=16))
     assert "\n" not in str(err.value) and "drop --fp8-amax-history" in str(err.value)
+
+
+def test_the_lm_under_fp8_current_keeps_its_tied_head_and_attention_in_bf16():
+    """jaxamp.layers.attend names its matmuls "head" (a scope around a nested einsum jit): excluded by default."""
+    from jaxamp.lm.model import TransformerConfig, TransformerLM
+    from jaxamp.lm.setup import make_loss_fn, make_policy
+
+    cfg = TransformerConfig(vocab_size=65, seq_len=16, num_layers=2, num_heads=2, width=32, dropout=0.0)
+    model = TransformerLM(cfg)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
+    state = TrainState.create(params=variables["params"], tx=optax.adam(1e-3), policy=make_policy("fp8-current"),
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+    tokens = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+    rows = fp8_rows(precision_audit(state, (tokens, tokens), make_loss_fn(model)))
+    assert rows[("forward", "float8_e4m3fn", "float8_e4m3fn")] == 2 * 4  # c_attn, c_proj, c_fc, mlp c_proj
+    assert rows[("forward", "bfloat16", "bfloat16")] == 2 * 2 + 1  # attention scores and values, the tied head
