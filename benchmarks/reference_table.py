@@ -54,7 +54,9 @@ def table(runs: list[Path]) -> str:
             f"{s['skipped_steps']} | {s['final_loss_scale']:g} | {s['tokens_per_s']:.0f} | {s['wall_s']:.0f} | "
             f"{'yes' if SEED_SPREAD[0] <= s['val_loss'] <= SEED_SPREAD[1] else 'NO'} | "
             f"{rel:.2%} {'yes' if rel <= WITHIN.get(s['precision'], WITHIN_DEFAULT) else 'NO'} |")
-    lines += ["", "Commands (`bash benchmarks/reference_run.sh` runs them all and this script):", ""]
+    script = ("reference_run.sh" if all(s["precision"] in ("fp32", "bf16", "fp16", "fp8") for s in summaries)
+              else "reference_recipes.sh")
+    lines += ["", f"Commands (`bash benchmarks/{script}` runs them all and this script):", ""]
     lines += [f"    {COMMAND.format(p=_quoted(s['precision']), d=_dirname(s['precision']))}" for s in summaries]
     return "\n".join(lines) + "\n"
 
