@@ -173,7 +173,8 @@ def mesh8(ckpt_dir: str) -> dict:
     ls = state.loss_scale
     out["poison"].update(
         grads_finite=bool(metrics["grads_finite"]),
-        unchanged=all(x.tobytes() == y.tobytes() for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after))),
+        unchanged=jax.tree.structure(before) == jax.tree.structure(after) and all(
+            x.tobytes() == y.tobytes() for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after))),
         scale_before=scale_before,
         scale_shards=[float(np.asarray(s.data)) for s in ls.loss_scale.addressable_shards],
         growth_counter_shards=[int(np.asarray(s.data)) for s in ls.growth_counter.addressable_shards],

@@ -28,13 +28,13 @@ def shakespeare() -> Path | None:
     return None if WITHOUT_SHARED or not SHAKESPEARE.exists() else SHAKESPEARE
 
 
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if any(name in getattr(item, "fixturenames", ()) for name in SHARED_FIXTURES):
-            item.add_marker(pytest.mark.shared_data)
-        group = _module_fixture_group(item)
-        if group:  # under `-n 2 --dist loadgroup` (CI), the tests sharing an expensive module fixture share a worker
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_itemcollected(item):
+    """Marks as each test is collected (before any collection_modifyitems, pytest-xdist's included)."""
+    if any(name in getattr(item, "fixturenames", ()) for name in SHARED_FIXTURES):
+        item.add_marker(pytest.mark.shared_data)
+    group = _module_fixture_group(item)
+    if group:  # under `-n 2 --dist loadgroup` (CI), the tests sharing an expensive module fixture share a worker
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _module_fixture_group(item) -> str | None:

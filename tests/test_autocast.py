@@ -768,6 +768,7 @@ def test_float32_reference_overrides_the_models_half_precision():
     g32 = jax.jit(jax.grad(loss_of(HalfMLP(F32))))(params, x)
     g_ref = jax.jit(jax.grad(float32_reference(loss_of(HalfMLP(BF)))))(params, x)
     g_plain = jax.jit(jax.grad(loss_of(HalfMLP(BF))))(params, x)
+    assert jax.tree.structure(g_ref) == jax.tree.structure(g32) == jax.tree.structure(g_plain)
     for a, b, c in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g32), jax.tree.leaves(g_plain)):
         assert a.dtype == F32
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

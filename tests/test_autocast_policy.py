@@ -123,6 +123,7 @@ def test_accumulation_retry_frozen_leaves_and_with_policy_work_as_with_cast_poli
     whole, _ = STEP(sgd(), batch_of(0), loss_fn)
     split, metrics = STEP(sgd(), batch_of(0), loss_fn, accum_steps=2)
     assert bool(metrics["grads_finite"])
+    assert jax.tree.structure(whole.params) == jax.tree.structure(split.params) == jax.tree.structure(PARAMS)
     for a, b, p in zip(jax.tree.leaves(whole.params), jax.tree.leaves(split.params), jax.tree.leaves(PARAMS)):
         assert float(jnp.linalg.norm((a - p) - (b - p)) / jnp.linalg.norm(a - p)) < 0.01  # bf16 weight gradients
     # retry: an overflow in float16 at a huge scale is retried at a lower one inside the call

@@ -300,6 +300,7 @@ def test_scanned_step_matches_unrolled_step_in_every_precision(precision):
         assert op["input_scale"].shape == (2, 1) and op["input_amax_history"].shape == (2, 4)
         np.testing.assert_array_equal(np.sum(np.asarray(op["input_amax_history"]) > 0, axis=1), [3, 3])  # 3 steps
         assert bool(jnp.all(op["kernel_scale"] != 1.0))
+        assert jax.tree.structure(unstack_params(fp8)) == jax.tree.structure(ref_fp8)
         for leaf, ref_leaf in zip(jax.tree.leaves(unstack_params(fp8)), jax.tree.leaves(ref_fp8)):
             np.testing.assert_allclose(np.asarray(leaf), np.asarray(ref_leaf), rtol=5e-2)  # bf16 noise
 
@@ -338,6 +339,7 @@ def test_the_fp8_collection_keeps_an_uncalled_layer_of_a_stack():
     np.testing.assert_array_equal(out["input_scale"], np.float32([[3.0], [2.0]]))
     np.testing.assert_array_equal(out["kernel_amax_history"], np.float32([[0.9, 0.5], [0.7, 0.0]]))
     kept = select(jnp.asarray(False), new, old)
+    assert jax.tree.structure(kept) == jax.tree.structure(old)
     assert all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(old)))
 
 
@@ -356,6 +358,7 @@ def test_build_gives_a_scanned_run_the_unrolled_runs_initial_weights():
     unrolled, _ = _state("fp32", False, layers=3)
     scanned, _ = _state("fp32", True, layers=3)
     back = unstack_params(scanned.params)
+    assert jax.tree.structure(back) == jax.tree.structure(unrolled.params)
     assert all(bool(jnp.array_equal(a, b)) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(unrolled.params)))
 
 

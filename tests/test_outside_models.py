@@ -77,6 +77,7 @@ def test_builds(name):
     for x in jax.tree.leaves(batch):
         assert str(x.dtype) in ("float32", "int32", "uint32"), (name, x.dtype)
     again = trial.make_batch(jax.random.key(0))  # a function of the key alone
+    assert jax.tree.structure(batch) == jax.tree.structure(again)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(again)))
 
 

@@ -29,7 +29,7 @@ TINY = ["--layers", "2", "--heads", "2", "--width", "32", "--seq-len", "32", "--
         "--eval-batches", "4", "--sample-tokens", "20", "--no-progress"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (not module: conftest would put every test using it on one xdist worker)
 def corpus(text_corpus):
     """60,000 characters of tinyshakespeare, or of the stdlib's sources where ../shared is absent (conftest)."""
     return text_corpus
