@@ -209,11 +209,7 @@ def main(argv=None) -> int:
             harness.log(f"round {r + 1}/{args.rounds}: {job[0]} layers, {label_of(*job[1:])}")
             results[job].append(run_child(args, *job))
     text = report(args, size, results)
-    out = args.out or (None if args.tiny else DEFAULT_OUT)
-    if out:
-        harness.write_report(out, text)
-    else:
-        print(text, end="")
+    harness.write_or_print(args.out or (None if args.tiny else DEFAULT_OUT), text)
     return 0
 
 

@@ -128,11 +128,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     size = TINY if args.tiny else FULL
     text = report(args, size, measure(size, args.steps))
-    out = args.out or (None if args.tiny else DEFAULT_OUT)
-    if out:
-        harness.write_report(out, text)
-    else:
-        print(text, end="")
+    harness.write_or_print(args.out or (None if args.tiny else DEFAULT_OUT), text)
     return 0
 
 

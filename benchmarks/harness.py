@@ -366,6 +366,14 @@ def write_report(path: str | Path, text: str, *, echo: bool = True) -> None:
         log(f"wrote {path}")
 
 
+def write_or_print(path: str | Path | None, text: str) -> None:
+    """`write_report(path, text)`, or the report on stdout when there is no path (a `--tiny` run without `--out`)."""
+    if path:
+        write_report(path, text)
+    else:
+        print(text, end="")
+
+
 def write_json(path: str | Path, data) -> None:
     """Writes `data` as indented JSON (creating the folder)."""
     path = Path(path)

@@ -410,6 +410,8 @@ def _mesh_shardings(arrays) -> tuple | None:
 
     def normal(s):
         spec = list(s.spec)
+        if not spec or spec[-1] is not None:  # already normal: no new object on the per-step path
+            return s
         while spec and spec[-1] is None:
             spec.pop()
         return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=s.memory_kind)
