@@ -468,3 +468,61 @@ def test_autocast_models_tiny(tmp_path):
     assert cells[2] == "0.0%" and "gpt2.py:" in cells[3] and cells[4:6] == ["100.0%", "100.0%"], cells
     grads = [line for line in text.splitlines() if line.startswith("| gpt2_hf | bf16;autocast |")]
     assert grads and grads[0].split("|")[3].strip() == "28/28", grads
+
+
+def test_reference_seeds_table(tmp_path, capsys):
+    """reference_seeds_table.py: one row per seed with both runs (seed 1337 from the committed reference_recipes
+    table), the gap to fp32 against the 0.3% target, and the spread of the gaps and of fp32 itself."""
+    seeds = load_script("benchmarks/reference_seeds_table.py")
+    for precision, seed, val in (("fp32", 1, 1.90), ("fp8-current", 1, 1.9055), ("fp32", 2, 1.92),
+                                 ("fp8-current", 2, 1.9248), ("fp32", 3, 1.91)):  # seed 3: no pair, no row
+        _summary(tmp_path / "runs" / f"{precision}-s{seed}", precision, val)
+    assert seeds.main([str(tmp_path / "runs"), "--out", str(tmp_path / "seeds.md")]) == 0
+    text = (tmp_path / "seeds.md").read_text()
+    rows = table_rows(text)
+    assert rows["1"] == ["1.9000", "1.9055", "+0.29%", "yes"] and rows["2"][2:] == ["+0.25%", "yes"]
+    committed = seeds.committed_1337()
+    assert set(committed) == {"fp32", "fp8-current"} and "3" not in rows  # the committed seed-1337 pair
+    assert rows["1337"][:2] == [f"{committed['fp32']:.4f}", f"{committed['fp8-current']:.4f}"]
+    gaps = [1.9055 / 1.90 - 1, 1.9248 / 1.92 - 1, committed["fp8-current"] / committed["fp32"] - 1]
+    assert f"over 3 seeds: mean {sum(gaps) / 3:+.2%}" in text
+    assert "fp32 itself from seed to seed: " in text
+    with pytest.raises(SystemExit):
+        seeds.main([str(tmp_path / "missing"), "--out", str(tmp_path / "x.md")])
+    assert "run benchmarks/reference_seeds.sh first" in capsys.readouterr().err
+
+
+def test_fp8_fidelity_kinds_cover_the_lm():
+    """Every leaf of the LM (with biases) falls in a layer kind of fp8_fidelity.py's table; none is left to
+    "other"."""
+    import jax
+
+    from jaxamp.lm.model import TransformerConfig
+    from jaxamp.lm.setup import init_variables
+    from jaxamp.precision import leaf_path
+
+    fid = load_script("benchmarks/fp8_fidelity.py")
+    cfg = TransformerConfig(vocab_size=65, seq_len=32, num_layers=2, num_heads=2, width=64)
+    shapes = jax.eval_shape(lambda: init_variables(cfg, jax.random.key(0)))["params"]
+    kinds = {leaf_path(p): fid.kind_of(leaf_path(p)) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+    assert "other" not in kinds.values() and set(kinds.values()) == {name for name, _ in fid.KINDS}
+    assert kinds["h_1/mlp/c_fc/kernel"] == "mlp in" and kinds["ln_f/scale"] == "LayerNorm scales"
+    assert kinds["h_0/ln_1/bias"] == kinds["h_0/attn/c_proj/bias"] == "biases"
+
+
+@pytest.mark.slow
+def test_fp8_fidelity_benchmark_tiny(tmp_path, text_corpus):
+    """fp8_fidelity.py --tiny: a row per precision and weights; FP8's gradient errors well above bf16's."""
+    out = tmp_path / "fp8_fidelity.md"
+    proc = run_script("benchmarks/fp8_fidelity.py", "--tiny", "--precisions", "bf16", "fp8-current", "--warmup", "1",
+                      "--data", str(text_corpus), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rel = out.read_text().split("## share")[0]
+    rows = {(c[0], c[1]): c for c in (
+        [x.strip() for x in line.strip().strip("|").split("|")] for line in rel.splitlines()
+        if line.startswith(("| bf16", "| fp8")))}
+    assert set(rows) == {(p, w) for p in ("bf16", "fp8-current") for w in ("init", "after 1 steps")}
+    for weights in ("init", "after 1 steps"):
+        bf16, fp8 = (list(map(number, rows[(p, weights)][2:])) for p in ("bf16", "fp8-current"))
+        assert len(bf16) == 8 and all(0 < b < 2 for b in bf16)  # 7 kinds and the global error
+        assert fp8[-1] > 3 * bf16[-1]  # e4m3/e5m2 round ~8x coarser than bf16
