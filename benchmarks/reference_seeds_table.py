@@ -63,14 +63,14 @@ def table(by_seed: dict[int, dict[str, float]], argv) -> str:
     ]
     for seed, gap in zip(seeds, gaps):
         lines.append(harness.row([seed, f"{by_seed[seed]['fp32']:.4f}", f"{by_seed[seed]['fp8-current']:.4f}",
-                                  f"{gap:+.2%}", "yes" if abs(gap) <= TARGET else "NO"]))
+                                  f"{gap:+.3%}", "yes" if abs(gap) <= TARGET else "NO"]))
     if len(seeds) >= 2:
         mean_gap, sd_gap = statistics.mean(gaps), statistics.stdev(gaps)
         mean32 = statistics.mean(fp32)
         lines += [
             "",
-            f"- fp8-current - fp32 over {len(seeds)} seeds: mean {mean_gap:+.2%}, standard deviation {sd_gap:.2%} "
-            f"(standard error of the mean {sd_gap / len(seeds) ** 0.5:.2%})",
+            f"- fp8-current - fp32 over {len(seeds)} seeds: mean {mean_gap:+.3%}, standard deviation {sd_gap:.3%} "
+            f"(standard error of the mean {sd_gap / len(seeds) ** 0.5:.3%})",
             f"- fp32 itself from seed to seed: {min(fp32):.4f}-{max(fp32):.4f}, a spread of "
             f"{(max(fp32) - min(fp32)) / mean32:.2%} (standard deviation {statistics.stdev(fp32) / mean32:.2%})",
         ]

@@ -28,6 +28,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import warnings
 from typing import Any
 
@@ -35,9 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax._src import source_info_util
 
-from jaxamp.fp8_recipes import FP8_SCOPE
+from jaxamp.fp8_recipes import FP8_EXCLUDE, FP8_SCOPE
 from jaxamp.gradients import gradients
-from jaxamp.precision import policy_name
+from jaxamp.precision import fp8_recipe, policy_name, uses_autocast
 
 PyTree = Any
 
@@ -116,6 +117,13 @@ def _fp8_formats(eqn) -> tuple[str, str] | None:
     return None
 
 
+def _scope(eqn) -> list[str]:
+    """The names on a matmul's name stack (Flax modules, Equinox classes, `jax.named_scope`s), outermost first,
+    without autodiff's `jvp` / `transpose` and jaxamp's FP8 scope."""
+    names = [str(getattr(entry, "name", entry)) for entry in getattr(eqn.source_info.name_stack, "stack", ())]
+    return [n for n in names if n not in ("jvp", "transpose") and not n.startswith(FP8_SCOPE + ":")]
+
+
 def _pass(eqn) -> str:
     return "backward" if "transpose" in str(eqn.source_info.name_stack) else "forward"
 
@@ -165,6 +173,7 @@ class _Walk:
     sums: list = dataclasses.field(default_factory=list)
     producer: dict = dataclasses.field(default_factory=dict)
     first_fallback: Any = None
+    weight_matmuls: list = dataclasses.field(default_factory=list)  # per row: a dot_general without batch dims
 
     def visit(self, jaxpr, trips: int, compute_half: bool) -> None:
         for eqn in jaxpr.eqns:
@@ -189,8 +198,11 @@ class _Walk:
         source, library = _where(eqn)
         row = {"source": source, "library": library, "primitive": eqn.primitive.name, "lhs": lhs, "rhs": rhs,
                "out": _dtype(eqn.outvars[0]), "flops": _matmul_flops(eqn) * trips, "pass": _pass(eqn),
-               "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}"}
+               "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}",
+               "scope": "/".join(_scope(eqn))}
         self.rows.append(row)
+        # What an FP8 recipe would take (autocast_rules.fp8_applies): a dot_general without batch dims.
+        self.weight_matmuls.append(eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][1][0])
         if compute_half and not (_is_half(lhs) and _is_half(rhs)):
             if self.first_fallback is None:
                 self.first_fallback = (row, eqn)
@@ -263,11 +275,15 @@ class PrecisionReport:
       rows: one dict per matmul or convolution: `source` (`file.py:LINE` of the user's code), `library` (the
         library frame that issued it, e.g. `flax/linen/linear.py:Dense.__call__`, or ""), `primitive`, `lhs`,
         `rhs`, `out` (dtype names), `flops` (per step, times scan trip counts), `pass` (`"forward"` or
-        `"backward"`), `shape`.
+        `"backward"`), `shape`, `scope` (the names on its name stack: `"Model/block_0/Dense_1"`; Equinox's
+        classes, `jax.named_scope`s), and under a stateless FP8 recipe `fp8_excluded_by`: the `fp8_exclude`
+        pattern that kept this half-precision weight matmul out of FP8, or None.
       fallbacks: the rows with a float32 operand under a half-precision policy; the first holds `cause` too.
       half_accumulations: sums, scatter-adds and cumulative ops in half precision over more values than the format
         absorbs (`ABSORB_LIMIT`): dicts with `source`, `library`, `primitive`, `dtype`, `size` (values added per
         output element), `pass`.
+      fp8_exclude: the policy's `fp8_exclude` patterns under a stateless FP8 recipe, else ().
+      autocast: whether the policy runs the loss under `jaxamp.autocast` (what the warning then advises).
     """
 
     policy: str
@@ -276,6 +292,14 @@ class PrecisionReport:
     rows: tuple
     fallbacks: tuple
     half_accumulations: tuple
+    fp8_exclude: tuple = ()
+    autocast: bool = False
+
+    @property
+    def fp8_unused_exclusions(self) -> tuple[str, ...]:
+        """The `fp8_exclude` patterns that kept no matmul out of FP8 (a typo, or a model without such names)."""
+        used = {r.get("fp8_excluded_by") for r in self.rows}
+        return tuple(p for p in self.fp8_exclude if p not in used)
 
     @property
     def fp8_fraction(self) -> float:
@@ -293,6 +317,12 @@ class PrecisionReport:
                 f"matmuls in half precision")
         if self.fp8_fraction:
             text += f" ({100 * self.fp8_fraction:.1f}% in FP8)"
+        excluded = sum(1 for r in self.rows if r.get("fp8_excluded_by") and r["pass"] == "forward")
+        if excluded:
+            text += f"; {excluded} weight matmul{'' if excluded == 1 else 's'} kept out of FP8 by fp8_exclude"
+        unused = [p for p in self.fp8_unused_exclusions if p not in FP8_EXCLUDE]  # (the defaults may not apply)
+        if unused:
+            text += f"; fp8_exclude patterns that match no matmul: {', '.join(unused)}"
         if self.fallbacks:
             worst = max(self.fallbacks, key=lambda r: r["flops"])
             text += f"; {len(self.fallbacks)} in float32, largest at {worst['source']}"
@@ -332,13 +362,17 @@ def _columns(header: tuple, rows: list) -> str:
     return "\n".join(fmt.format(*row).rstrip() for row in (header, *rows))
 
 
-def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype) -> PrecisionReport:
+def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, autocast: bool = False
+                ) -> PrecisionReport:
     """The report of a traced step (`jax.make_jaxpr` of its gradient computation).
 
     Args:
       closed_jaxpr: the traced program.
       policy: the policy's name, for the report.
       compute_dtype: the policy's compute dtype: fall-backs are counted only when it is a half-precision type.
+      fp8_exclude: under a stateless FP8 recipe, the policy's `fp8_exclude` patterns (each half-precision weight
+        matmul's row then says which one kept it out of FP8); None otherwise.
+      autocast: whether the policy runs the loss under `jaxamp.autocast` (recorded in the report).
 
     Returns:
       A `PrecisionReport`.
@@ -346,6 +380,8 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype) -> PrecisionReport:
     compute_half = _is_half(compute_dtype)
     walk = _Walk()
     walk.visit(closed_jaxpr.jaxpr, 1, compute_half)
+    if fp8_exclude is not None:
+        _mark_fp8_exclusions(walk, fp8_exclude)
     total = sum(r["flops"] for r in walk.rows)
     half = sum(r["flops"] for r in walk.rows if _is_half(r["lhs"]) and _is_half(r["rhs"]))
     fallbacks = [dict(r) for r in walk.rows if compute_half and not (_is_half(r["lhs"]) and _is_half(r["rhs"]))]
@@ -355,7 +391,25 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype) -> PrecisionReport:
     return PrecisionReport(policy=policy, compute_dtype=jnp.dtype(compute_dtype).name,
                            half_fraction=half / total if total else 1.0, rows=tuple(walk.rows),
                            fallbacks=tuple(fallbacks) if compute_half else (),
-                           half_accumulations=tuple(walk.sums))
+                           half_accumulations=tuple(walk.sums),
+                           fp8_exclude=tuple(fp8_exclude) if fp8_exclude is not None else (),
+                           autocast=autocast)
+
+
+def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
+    """Each row's `fp8_excluded_by`: for a half-precision (not FP8) weight matmul, the first pattern found in a name
+    of its scope (as `autocast_rules.fp8_applies` decides), else None."""
+    patterns = [(p, re.compile(p)) for p in fp8_exclude]
+    for row, weight in zip(walk.rows, walk.weight_matmuls):
+        names = row["scope"].split("/") if row["scope"] else []
+        kept_out = weight and _is_half(row["lhs"]) and not row["lhs"].startswith("float8")
+        row["fp8_excluded_by"] = next((p for p, rx in patterns if any(rx.search(n) for n in names)),
+                                      None) if kept_out else None
+
+
+def _fp8_exclude(policy):
+    """The policy's `fp8_exclude` patterns under a stateless FP8 recipe, else None."""
+    return tuple(getattr(policy, "fp8_exclude", FP8_EXCLUDE)) if fp8_recipe(policy) else None
 
 
 def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: str = "train_step") -> bool:
@@ -376,10 +430,12 @@ def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: 
                         f"{worst['source']})")
     if not problems:
         return False
+    advice = ("under autocast, a float32 matmul is one the code asks for (a cast to float32 on its operands, "
+              "preferred_element_type=float32, a jaxamp.disabled region) or a float64 one: the cause names it"
+              if report.autocast else "get_policy(..., autocast=True) computes the matmuls of unchanged float32 "
+              "code in half precision with float32 sums")
     warnings.warn(f"{where} under policy {report.policy!r}: " + "; ".join(problems)
-                  + ". jaxamp.precision_audit(...) lists every op; get_policy(..., autocast=True) computes the "
-                    "matmuls of unchanged float32 code in half precision with float32 sums", PrecisionWarning,
-                  stacklevel=3)
+                  + f". jaxamp.precision_audit(...) lists every op; {advice}", PrecisionWarning, stacklevel=3)
     return True
 
 
@@ -403,12 +459,14 @@ def precision_audit(state, batch: PyTree, loss_fn, *, accum_steps: int = 1, carr
         return gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, False, carry).grads
 
     closed = jax.make_jaxpr(grads)(state, batch, carry)
-    return audit_jaxpr(closed, policy=policy_name(state.policy), compute_dtype=state.policy.compute_dtype)
+    return audit_jaxpr(closed, policy=policy_name(state.policy), compute_dtype=state.policy.compute_dtype,
+                       fp8_exclude=_fp8_exclude(state.policy), autocast=uses_autocast(state.policy))
 
 
 def check_program(closed_jaxpr, policy, *, where: str) -> None:
     """What `train_step` runs while it is traced: under a half-precision policy, audits the step's gradient program
     (the one it runs) and warns (`warn_if_degraded`), once per trace, i.e. once per compilation of a jitted step."""
     if _is_half(policy.compute_dtype):
-        report = audit_jaxpr(closed_jaxpr, policy=policy_name(policy), compute_dtype=policy.compute_dtype)
+        report = audit_jaxpr(closed_jaxpr, policy=policy_name(policy), compute_dtype=policy.compute_dtype,
+                             fp8_exclude=_fp8_exclude(policy), autocast=uses_autocast(policy))
         warn_if_degraded(report, where=where)

@@ -257,14 +257,19 @@ def matmul_rule(eqn, vals, mode: Mode, bounds=None) -> list:
     `preferred_element_type` (the result dtype): `jnp.matmul`/`einsum`/`dot` in float32 code record it as float32,
     exactly as an explicit `preferred_element_type=jnp.float32` would, so a value equal to the operands' own result
     dtype (or None) counts as the default and becomes the compute dtype. Any other value (bf16 operands with a float32
-    result, int8 operands with int32) was asked for explicitly and is kept. Operands that are not eligible floats
-    (integers, float8, float64) leave the op as it was (`original_rule`). In float32_reference mode operands and a
-    low-precision result dtype become float32, and `precision` becomes HIGHEST.
+    result, int8 operands with int32) was asked for explicitly and is kept. An integer operand beside an eligible
+    float one (`int_batch @ w`: JAX passes the mixed operands to one dot_general, its result float) is converted with
+    it, as the float32 code's promotion would have made it float32 first. Other operands that are not eligible floats
+    (integers on both sides, float8, float64) leave the op as it was (`original_rule`). In float32_reference mode
+    operands and a low-precision result dtype become float32, and `precision` becomes HIGHEST.
     """
     n = 2  # lhs, rhs; ragged_dot_general's third operand is the int32 group sizes
     orig = [eqn.invars[i].aval.dtype for i in range(n)]
-    if not all(dtype_of(x) in ELIGIBLE or (mode.reference and is_low_float(dtype_of(x))) for x in vals[:n]):
+    floats = [dtype_of(x) in ELIGIBLE or (mode.reference and is_low_float(dtype_of(x))) for x in vals[:n]]
+    integers = [np.issubdtype(dtype_of(x), np.integer) or dtype_of(x) == np.bool_ for x in vals[:n]]
+    if not all(f or (i and any(floats)) for f, i in zip(floats, integers)):
         return original_rule(eqn, vals, mode, bounds)
+    orig = [o for o, f in zip(orig, floats) if f]  # (the float operands give the default result dtype)
     params = dict(eqn.params)
     pet = params.get("preferred_element_type")
     if mode.reference:

@@ -154,10 +154,12 @@ def autocast(fn: F, dtype: Any, *, fp8: Any = None, fp8_exclude: Sequence[str] =
         `model.apply`, a function calling NNX or Equinox modules, plain `jnp`).
       dtype: the compute dtype: `jnp.bfloat16` / `"bfloat16"` / `"bf16"` or `jnp.float16` / `"float16"` / `"fp16"`.
       fp8: None, or a recipe name of `jaxamp.fp8_recipes.RECIPES` (or a `Recipe`) for the weight matmuls.
-      fp8_exclude: regular expressions (`re.search`, case-sensitive) over the names on a matmul's name stack: the
-        Flax modules around it in linen and Hugging Face Flax models (`"decoder"`, `"logitdense"`, `"lm_head"`) and
-        any `jax.named_scope` (`jaxamp.layers.attend`'s `"head"`); a match keeps `dtype`. Default `FP8_EXCLUDE`:
-        the output head. NNX, Equinox and plain `jnp` code have no module names there: wrap such a matmul in
+      fp8_exclude: regular expressions, each searched (`re.search`, case-sensitive: anchor with `^...$` for a
+        whole name) in every name on a matmul's name stack: the Flax modules around it in linen and Hugging Face
+        Flax models (`"decoder"`, `"logitdense"`, `"lm_head"`), Equinox's module classes (`"eqx.nn.Linear"`,
+        `"eqx.nn.MultiheadAttention"`) and any `jax.named_scope` (`jaxamp.layers.attend`'s `"head"`); a match keeps
+        `dtype`. Default `FP8_EXCLUDE`: the output head by its usual names, whole (`head`, `lm_head`, `logit`,
+        `logits`, `logitdense`). NNX and plain `jnp` code have no module names there: wrap such a matmul in
         `jax.named_scope("head")` to exclude it.
 
     Returns:
@@ -253,7 +255,8 @@ def _compute_dtype(dtype) -> np.dtype:
         raise ValueError(
             f"autocast's dtype must be a half-precision compute dtype: jnp.bfloat16 ('bfloat16'/'bf16') or "
             f"jnp.float16 ('float16'/'fp16'); got {dtype!r}. For float32 call the function without autocast (or "
-            f"use float32_reference); float8 matmuls go through Flax's FP8 ops (jaxamp.layers.Dense(fp8=True)).")
+            f"use float32_reference). For FP8 matmuls in unchanged code, keep bfloat16 and add a stateless recipe: "
+            f"autocast(fn, jnp.bfloat16, fp8='current') (or the policies 'fp8-current', 'fp8-block', 'mxfp8').")
     return resolved
 
 

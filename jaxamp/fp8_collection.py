@@ -72,7 +72,8 @@ def check_policy(policy: jmp.Policy, params: PyTree) -> None:
         raise ValueError(f"policy {policy_name(policy)!r} trains FP8 matmuls through the model's own FP8 ops, but "
                          f"params hold no FP8 collection ({FP8_COLLECTION!r}): build the model with FP8 ops "
                          "(jaxamp.layers.Dense(fp8=True), nn.Fp8DirectDotGeneralOp, jaxamp.nnx.Fp8DotGeneral) and "
-                         "pass its whole variables dict, not variables['params'] (or use 'bf16')")
+                         "pass its whole variables dict, not variables['params']; or, for FP8 matmuls in unchanged "
+                         "model code, use a stateless recipe: 'fp8-current', 'fp8-block' or 'mxfp8' (or 'bf16')")
 
 
 def _is_output_grad(path) -> bool:

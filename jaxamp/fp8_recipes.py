@@ -140,10 +140,11 @@ def _dot(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], op_a: O
 
 FP8_SCOPE = "jaxamp_fp8"
 
-# The matmuls `jaxamp.autocast(..., fp8=...)` keeps in the compute dtype by default (regular expressions over the
-# names on a matmul's name stack): the output head (lm1b's "logitdense", GPT-2's "lm_head", jaxamp.layers.attend's
-# "head" scope), which Transformer Engine's recipes also leave in bf16.
-FP8_EXCLUDE = ("head", "logit")
+# The matmuls `jaxamp.autocast(..., fp8=...)` keeps in the compute dtype by default (regular expressions searched in
+# each name on a matmul's name stack): the output head (lm1b's "logitdense", GPT-2's "lm_head", jaxamp.layers.attend's
+# "head" scope), which Transformer Engine's recipes also leave in bf16. Anchored to whole names: a substring "head"
+# would also match Equinox's "eqx.nn.MultiheadAttention" and linen's "MultiHeadDotProductAttention_0" scopes.
+FP8_EXCLUDE = ("^(lm_)?head$", "^logits?(dense)?$")
 
 
 def fp8_scope(lhs_dtype, rhs_dtype) -> str:

@@ -307,8 +307,11 @@ def fp8_ranges(state: TrainState, batch: PyTree, loss_fn) -> list[dict]:
       ValueError: the state holds no FP8 collection, or the loss calls no FP8 op.
     """
     if split_fp8(state.params)[1] is None:
-        raise ValueError("state.params holds no FP8 collection ('_overwrite_with_gradient'): build the model with "
-                         "FP8 ops (jaxamp.layers.Dense(fp8=True), TransformerConfig(fp8=True)) and pass its variables")
+        raise ValueError("state.params holds no FP8 collection ('_overwrite_with_gradient'): fp8_ranges reads "
+                         "delayed scaling's amax histories ('fp8'); build the model with FP8 ops "
+                         "(jaxamp.layers.Dense(fp8=True), TransformerConfig(fp8=True)) and pass its variables. The "
+                         "stateless recipes ('fp8-current', 'fp8-block', 'mxfp8') keep no history: see "
+                         "precision_audit's fp8_fraction and grad_fidelity")
     return ranges_table(*run_capture(jax.jit(capture, static_argnums=2), state, batch, loss_fn))
 
 

@@ -25,8 +25,8 @@ from jaxamp.trainable import merge_frozen, split_frozen
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree, Any], Any]
 
-__all__ = ["Grads", "LossFn", "WeightedLoss", "compute_loss", "gradients", "split_loss", "split_weighted",
-           "traced_gradients"]
+__all__ = ["Grads", "LossFn", "WeightedLoss", "compute_loss", "gradients", "split_loss", "split_stateful",
+           "split_weighted", "traced_gradients"]
 
 
 class WeightedLoss(NamedTuple):
@@ -118,7 +118,7 @@ def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
         if carry is None:
             out, new_carry = loss_fn(params, batch, rng), None
         else:
-            out, new_carry = loss_fn(params, batch, rng, carry)
+            out, new_carry = split_stateful(loss_fn(params, batch, rng, carry))
         loss, aux, count = split_weighted(out)
         return loss_scale.scale(loss), (loss, aux, new_carry, count)
 
@@ -126,6 +126,21 @@ def _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry=None):
     (grads_c, fp8_grad), (loss, aux, new_carry, count) = grad_fn(
         train_c, fp8c.scaled(fp8, loss_scale), frozen_c, batch, rng, carry, loss_scale)
     return grads_c, loss, fp8c.as_float32(aux), fp8c.new_values(fp8_grad, loss_scale), new_carry, count
+
+
+def split_stateful(result) -> tuple[Any, Any]:
+    """`(loss | (loss, aux), new_state)` as a stateful `loss_fn(params, batch, rng, model_state)` returns it.
+
+    Raises:
+      TypeError: `result` is not such a pair (a bare loss: the new model state is missing).
+    """
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        return result[0], result[1]
+    what = (f"an array of shape {tuple(result.shape)}" if hasattr(result, "shape") else
+            f"a {type(result).__name__}" + (f" of {len(result)}" if isinstance(result, (tuple, list)) else ""))
+    raise TypeError(f"with a model state, loss_fn(params, batch, rng, model_state) must return (loss, "
+                    f"new_model_state) or ((loss, aux), new_model_state); it returned {what}. Return the state too "
+                    "(the one it received when nothing changes it, e.g. when rng is None)")
 
 
 def compute_loss(policy, loss_fn: Callable) -> Callable:

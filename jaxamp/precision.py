@@ -16,6 +16,7 @@ lookups must accumulate their gradient in float32: see `jaxamp.layers`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 from typing import Any
 
@@ -148,11 +149,15 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
     """Returns the precision policy named by `spec`.
 
     Args:
-      spec: a preset (`"fp32"`, `"bf16"`, `"fp16"`, `"fp8"`), `"auto"` (see `auto_precision`), any policy string that
-        `jmp.get_policy` parses (e.g. `"params=float32,compute=float16,output=float32"` or `"p=f32,c=bf16"`; jmp's
-        rule applies: an unnamed output dtype follows the compute dtype), any of these followed by rules
-        `";fp8"`, `";autocast"` and `";keep_float32=PATTERN,PATTERN"` (what `policy_name` writes), or a
-        `jmp.Policy`.
+      spec: a preset (`"fp32"`, `"bf16"`, `"fp16"`, `"fp8"`: delayed scaling through the model's FP8 ops),
+        `"auto"` (see `auto_precision`), a stateless FP8 recipe (`"fp8-current"`, `"fp8-block"`, `"mxfp8"`: bf16
+        autocast with the weight matmuls in FP8, `FP8_RECIPE_SPECS`), any policy string that `jmp.get_policy`
+        parses (e.g. `"params=float32,compute=float16,output=float32"` or `"p=f32,c=bf16"`; jmp's rule applies: an
+        unnamed output dtype follows the compute dtype), any of these followed by rules (what `policy_name`
+        writes): `";autocast"`, `";keep_float32=PATTERN,PATTERN"`, `";fp8"` (delayed scaling), `";fp8=RECIPE"`
+        (`current`, `block`, `mxfp8`), `";fp8_exclude=REGEX,REGEX"` (the matmuls a recipe leaves in the compute
+        dtype; default the output head, `FP8_EXCLUDE`), `";opt_state=bf16"` (or `fp16`: the optimizer state's
+        dtype); or a `jmp.Policy`.
       keep_float32: `fnmatch` patterns of leaves that stay float32 in the compute copy (see `Policy`), added to
         those of `spec`.
       autocast: hand `loss_fn` the float32 master weights and run it under `jaxamp.autocast` with the compute dtype
@@ -264,10 +269,15 @@ def _base_policy(spec: str | jmp.Policy) -> jmp.Policy:
     try:
         return jmp.get_policy(name)
     except (ValueError, KeyError) as err:
+        names = (*PRESETS, "auto", *FP8_RECIPE_SPECS)
+        close = difflib.get_close_matches(name.lower(), names, n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
         accepted = ", ".join(f'"{p}"' for p in (*PRESETS, "auto"))
+        recipes = ", ".join(f'"{p}"' for p in FP8_RECIPE_SPECS)
         raise ValueError(
-            f"unknown precision policy {spec!r} ({err}); accepted: the presets {accepted}, or a jmp policy string "
-            f"({'; '.join(_JMP_FORMS)}), optionally followed by the rules {_RULES}"
+            f"unknown precision policy {spec!r}{guess}; accepted: the presets {accepted}, the stateless FP8 recipes "
+            f"{recipes}, or a jmp policy string ({'; '.join(_JMP_FORMS)}), optionally followed by the rules "
+            f"{_RULES} (jmp: {err})"
         ) from None
 
 

@@ -13,7 +13,7 @@ import optax
 from jaxamp import audit, finite
 from jaxamp import fp8_collection as fp8c
 from jaxamp.fp8_collection import merge_fp8, split_fp8
-from jaxamp.gradients import LossFn, compute_loss, gradients, split_loss, traced_gradients
+from jaxamp.gradients import LossFn, compute_loss, gradients, split_loss, split_stateful, traced_gradients
 from jaxamp.metrics import step_metrics
 from jaxamp.state import TrainState
 from jaxamp.trainable import merge_frozen, split_frozen
@@ -306,6 +306,6 @@ def eval_step(state: TrainState, batch: PyTree, loss_fn: LossFn) -> dict:
     if state.model_state is None:
         out = loss_fn(state.compute_params(), batch, None)
     else:
-        out, _ = loss_fn(state.compute_params(), batch, None, state.model_state)
+        out, _ = split_stateful(loss_fn(state.compute_params(), batch, None, state.model_state))
     loss, aux = split_loss(out)
     return {"loss": loss} if aux is None else {"loss": loss, "aux": aux}

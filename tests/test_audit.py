@@ -123,6 +123,22 @@ def test_half_precision_bias_sums_past_the_format_limit_are_listed_and_warned_on
     assert "512 values in bfloat16" in str(found[0].message) and "384 values" in str(found[1].message)
 
 
+def test_the_warning_under_autocast_points_at_the_codes_own_float32_not_at_autocast():
+    state, batch, loss_fn = linen_setup("bf16;autocast")
+
+    def float32_loss(params, batch, rng):
+        with jaxamp.autocasting.disabled():  # the code asks for float32 here
+            return loss_fn(params, batch, rng)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(train_step, static_argnames="loss_fn")(state, batch, float32_loss)
+    found = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+    assert len(found) == 1 and "only 0.0% of its matmul FLOPs" in found[0], found
+    assert "under autocast, a float32 matmul is one the code asks for" in found[0]
+    assert "get_policy(..., autocast=True)" not in found[0]
+
+
 def test_no_audit_and_no_warning_in_float32():
     state, batch, loss_fn = linen_setup("fp32")
     report = precision_audit(state, batch, loss_fn)

@@ -686,6 +686,25 @@ def test_equinox_mlp():
 # -------------------------------------------------------------------------------------------------- disabled()
 
 
+@pytest.mark.parametrize("dtype", HALF)
+def test_an_integer_operand_of_a_float_matmul_is_converted_with_it(dtype):
+    """`int_batch @ w`: JAX passes i32 x f32 to one dot_general (no convert); the float32 code means a float32
+    matmul, so autocast runs it in the compute dtype, both operands cast; integers on both sides stay integer."""
+    w, ids = normal(0, (6, 4)), jnp.arange(24, dtype=jnp.int32).reshape(4, 6) % 3  # small ints: exact in half
+    def user(w, b):
+        with jax.numpy_dtype_promotion("standard"):  # (the user's code: strict promotion refuses i32 @ f32)
+            return b @ w
+
+    fn = autocast(user, dtype)
+    dots = [e for e in all_eqns(jax.make_jaxpr(fn)(w, ids).jaxpr) if e.primitive.name == "dot_general"]
+    assert [(str(e.invars[0].aval.dtype), str(e.invars[1].aval.dtype), str(e.outvars[0].aval.dtype))
+            for e in dots] == [(jnp.dtype(dtype).name,) * 3]
+    expected = (ids.astype(dtype) @ w.astype(dtype)).astype(dtype)  # the hand-cast version
+    np.testing.assert_array_equal(np.asarray(fn(w, ids), np.float32), np.asarray(expected, np.float32))
+    ints = autocast(lambda a, b: a @ b, dtype)(ids, ids.T)
+    assert ints.dtype == jnp.int32 and jnp.array_equal(ints, ids @ ids.T)
+
+
 def test_disabled_region_runs_float32():
     w, x = normal(0, (8, 8), 0.4), normal(1, (3, 8))
 

@@ -480,12 +480,12 @@ def test_reference_seeds_table(tmp_path, capsys):
     assert seeds.main([str(tmp_path / "runs"), "--out", str(tmp_path / "seeds.md")]) == 0
     text = (tmp_path / "seeds.md").read_text()
     rows = table_rows(text)
-    assert rows["1"] == ["1.9000", "1.9055", "+0.29%", "yes"] and rows["2"][2:] == ["+0.25%", "yes"]
+    assert rows["1"] == ["1.9000", "1.9055", "+0.289%", "yes"] and rows["2"][2:] == ["+0.250%", "yes"]
     committed = seeds.committed_1337()
     assert set(committed) == {"fp32", "fp8-current"} and "3" not in rows  # the committed seed-1337 pair
     assert rows["1337"][:2] == [f"{committed['fp32']:.4f}", f"{committed['fp8-current']:.4f}"]
     gaps = [1.9055 / 1.90 - 1, 1.9248 / 1.92 - 1, committed["fp8-current"] / committed["fp32"] - 1]
-    assert f"over 3 seeds: mean {sum(gaps) / 3:+.2%}" in text
+    assert f"over 3 seeds: mean {sum(gaps) / 3:+.3%}" in text
     assert "fp32 itself from seed to seed: " in text
     with pytest.raises(SystemExit):
         seeds.main([str(tmp_path / "missing"), "--out", str(tmp_path / "x.md")])

@@ -88,6 +88,70 @@ def test_fp8_current_quantizes_every_weight_matmul_but_the_head_and_holds_no_sta
                                                                                    "float8_e4m3fn")] == 4
 
 
+class Named(nn.Module):
+    """Dense layers whose names hold "head" or "logit" without being the head, and an Equinox-style name."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(nn.Dense(64, name="multihead_proj")(x))
+        x = nn.gelu(nn.Dense(64, name="logit_scale_mlp")(x))
+        x = nn.gelu(nn.Dense(64, name="block_0")(x))
+        return nn.Dense(4, name="lm_head")(x)
+
+
+def test_the_default_exclusions_match_whole_head_names_and_the_audit_says_which_pattern_kept_a_matmul_out():
+    net = Named()
+    params = net.init(jax.random.key(0), jnp.ones((2, 32)))["params"]
+
+    def named_loss(p, batch, rng):
+        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, batch["x"]), batch["y"]).mean()
+
+    def forward(policy):
+        state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(),
+                                  rng=jax.random.key(1))
+        report = precision_audit(state, make_batch(0), named_loss)
+        return report, {r["scope"]: (r["lhs"], r.get("fp8_excluded_by", "absent"))
+                        for r in report.rows if r["pass"] == "forward"}
+
+    report, rows = forward("fp8-current")
+    fp8 = ("float8_e4m3fn", None)
+    assert rows == {"Named/multihead_proj": fp8, "Named/logit_scale_mlp": fp8, "Named/block_0": fp8,
+                    "Named/lm_head": ("bfloat16", "^(lm_)?head$")}
+    assert report.fp8_exclude == ("^(lm_)?head$", "^logits?(dense)?$") and report.fp8_unused_exclusions == (
+        "^logits?(dense)?$",)
+    assert report.summary().endswith("; 1 weight matmul kept out of FP8 by fp8_exclude")  # defaults: no complaint
+    report, rows = forward("fp8-current;fp8_exclude=^(lm_)?head$,^block_0$,^blokc_1$")
+    assert rows["Named/block_0"] == ("bfloat16", "^block_0$") and rows["Named/multihead_proj"] == fp8
+    assert report.summary().endswith("; 2 weight matmuls kept out of FP8 by fp8_exclude; fp8_exclude patterns that "
+                                     "match no matmul: ^blokc_1$")
+    report, rows = forward("bf16;autocast")  # no FP8 recipe: no exclusions to report
+    assert report.fp8_exclude == () and all(excluded == "absent" for _, excluded in rows.values())
+
+
+def test_equinox_attention_is_not_excluded_by_the_default_head_pattern():
+    """Equinox puts its classes on the name stack ("eqx.nn.MultiheadAttention"): a substring "head" matched it."""
+    eqx = pytest.importorskip("equinox")
+    mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=32, key=jax.random.key(0))
+    head = eqx.nn.Linear(32, 4, key=jax.random.key(1))
+    params, static = eqx.partition((mha, head), eqx.is_inexact_array)
+
+    def eqx_loss(p, batch, rng):
+        attn, out = eqx.combine(p, static)
+        x = batch["x"].reshape(8, 8, 32)  # f32[batch, seq, width]
+        pooled = jax.vmap(lambda t: attn(t, t, t).mean(0))(x)  # f32[batch, width]
+        with jax.named_scope("head"):  # NNX and Equinox name no head: a scope does
+            logits = jax.vmap(out)(pooled)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"][:8]).mean()
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="fp8-current", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(2))
+    forward = [r for r in precision_audit(state, make_batch(0), eqx_loss).rows if r["pass"] == "forward"]
+    attention = [r for r in forward if "MultiheadAttention" in r["scope"] and "Linear" in r["scope"]]
+    assert len(attention) == 4 and all(r["lhs"] == "float8_e4m3fn" for r in attention)  # q, k, v and out in FP8
+    assert [r["fp8_excluded_by"] for r in forward if "eqx.nn.Linear" in r["scope"] and "Multihead" not in r[
+        "scope"]] == ["^(lm_)?head$"]  # the scoped head
+
+
 def test_a_power_of_2_loss_scale_leaves_fp8_current_training_bitwise_unchanged():
     """Current scaling quantizes the scaled output gradient from its own amax: the scale cancels exactly."""
     states = [make_state(loss_scale=StaticLossScale(s)) for s in (1.0, 2.0**10)]

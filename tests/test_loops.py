@@ -48,12 +48,10 @@ BN_VARS = BN.init(jax.random.key(0), jnp.ones((2, 8)), train=False)
 
 def bn_loss(params, batch, rng, model_state):
     """Flax's BatchNorm recipe as a jaxamp stateful loss: `(loss, new_model_state)`."""
-    del rng
-    train = model_state is not None
+    train = rng is not None  # train_step passes an rng, eval_step None: the running statistics
     with jax.numpy_dtype_promotion("standard"):  # Flax's BatchNorm mixes dtypes inside
         y, updates = BN.apply({"params": params, "batch_stats": model_state["batch_stats"]}, batch["x"],
-                              train=True, mutable=["batch_stats"])
-    del train
+                              train=train, mutable=["batch_stats"])
     return jnp.mean((y.astype(jnp.float32) - batch["y"]) ** 2), {"batch_stats": updates["batch_stats"]}
 
 
@@ -78,7 +76,7 @@ def test_model_state_runs_through_the_micro_batches_in_order():
     stats = state.model_state
     for i in range(2):  # micro-batch i holds rows i, i + 2, ... (train_step's strided split)
         micro = jax.tree.map(lambda x, i=i: x[i::2], batch)
-        _, stats = bn_loss(state.params, micro, None, stats)
+        _, stats = bn_loss(state.params, micro, jax.random.key(0), stats)  # train mode
     assert jax.tree.structure(new.model_state) == jax.tree.structure(stats)
     for a, b in zip(jax.tree.leaves(new.model_state), jax.tree.leaves(stats)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -116,6 +114,19 @@ def test_eval_step_with_model_state_uses_it_and_changes_nothing():
     out = jaxamp.eval_step(state, bn_batch(0), bn_loss)
     expected, _ = bn_loss(state.params, bn_batch(0), None, state.model_state)
     assert float(out["loss"]) == float(expected)
+    trained, _ = bn_loss(state.params, bn_batch(0), jax.random.key(0), state.model_state)
+    assert float(out["loss"]) != float(trained)  # the running statistics, not the batch's
+
+
+def test_a_stateful_loss_that_returns_only_the_loss_is_refused_naming_the_fix():
+    def loss_only(params, batch, rng, model_state):
+        return bn_loss(params, batch, rng, model_state)[0]
+
+    for call in (lambda: jaxamp.eval_step(bn_state(), bn_batch(0), loss_only),
+                 lambda: train_step(bn_state(), bn_batch(0), loss_only)):
+        with pytest.raises(TypeError, match=r"must return \(loss, new_model_state\) .* it returned an array of "
+                                            r"shape \(\)\. Return the state too"):
+            call()
 
 
 # ---- a hand-written step around Flax's own TrainState ---------------------------------------------------------------
