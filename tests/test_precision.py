@@ -73,3 +73,13 @@ def test_auto_precision_on_accelerators():
         "bf16", "bf16", "fp16", "fp16", "fp32", "fp32"]  # 6.1 (GTX 10x0): float16 at 1/64 rate
     name, reason = auto_precision(SimpleNamespace(platform="gpu", device_kind="AMD MI300X"))  # no capability
     assert name == "fp32" and "unknown" in reason and "--precision" in reason
+
+
+def test_a_near_miss_policy_name_is_refused_with_a_suggestion_and_the_fp8_recipes_listed():
+    with pytest.raises(ValueError) as err:
+        get_policy("fp8-curent")
+    message = str(err.value)
+    assert message.startswith("unknown precision policy 'fp8-curent' (did you mean 'fp8-current'?); accepted: ")
+    assert 'the stateless FP8 recipes "fp8-current", "fp8-block", "mxfp8"' in message
+    with pytest.raises(ValueError, match=r"^unknown precision policy 'zzz'; accepted"):  # nothing close: no guess
+        get_policy("zzz")
