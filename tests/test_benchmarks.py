@@ -470,6 +470,20 @@ def test_autocast_models_tiny(tmp_path):
     assert grads and grads[0].split("|")[3].strip() == "28/28", grads
 
 
+@pytest.mark.slow
+def test_fp8_models_tiny(tmp_path):
+    """benchmarks/fp8_models.py on Hugging Face's GPT-2 for one step: its weight matmuls in FP8 but lm_head, which
+    the default exclusions keep in bf16 by its whole name, and a loss that stays near bf16's."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "fp8_models.md"
+    proc = run_script("benchmarks/fp8_models.py", "--trials", "gpt2_hf", "--recipes", "fp8-current", "--steps", "1",
+                      "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cells = table_rows(out.read_text())["gpt2_hf"]
+    assert cells[:3] == ["hf", "fp8-current", "100.0%"] and 50 < number(cells[3]) < 100, cells
+    assert cells[4:6] == ["FlaxGPT2LMHeadModule/lm_head", "-"] and number(cells[6]) < 1, cells
+
+
 def test_reference_seeds_table(tmp_path, capsys):
     """reference_seeds_table.py: one row per seed with both runs (seed 1337 from the committed reference_recipes
     table), the gap to fp32 against the 0.3% target, and the spread of the gaps and of fp32 itself."""
