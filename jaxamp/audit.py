@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import source_info_util
 
+from jaxamp.autocast_rules import exclusion_names
 from jaxamp.fp8_recipes import FP8_EXCLUDE, FP8_SCOPE
 from jaxamp.gradients import gradients
 from jaxamp.precision import fp8_recipe, policy_name, uses_autocast
@@ -170,6 +171,7 @@ class _Walk:
     """Everything found in one traversal; `producer` maps a variable to the equation that made it (through calls)."""
 
     rows: list = dataclasses.field(default_factory=list)
+    eqns: list = dataclasses.field(default_factory=list)  # per row: its equation
     sums: list = dataclasses.field(default_factory=list)
     producer: dict = dataclasses.field(default_factory=dict)
     first_fallback: Any = None
@@ -201,6 +203,7 @@ class _Walk:
                "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}",
                "scope": "/".join(_scope(eqn))}
         self.rows.append(row)
+        self.eqns.append(eqn)
         # What an FP8 recipe would take (autocast_rules.fp8_applies): a dot_general without batch dims.
         self.weight_matmuls.append(eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][1][0])
         if compute_half and not (_is_half(lhs) and _is_half(rhs)):
@@ -398,10 +401,10 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
 
 def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
     """Each row's `fp8_excluded_by`: for a half-precision (not FP8) weight matmul, the first pattern found in a name
-    of its scope (as `autocast_rules.fp8_applies` decides), else None."""
+    of its scope or of a function on its call stack (as `autocast_rules.fp8_applies` decides), else None."""
     patterns = [(p, re.compile(p)) for p in fp8_exclude]
-    for row, weight in zip(walk.rows, walk.weight_matmuls):
-        names = row["scope"].split("/") if row["scope"] else []
+    for row, eqn, weight in zip(walk.rows, walk.eqns, walk.weight_matmuls):
+        names = exclusion_names(eqn, _scope(eqn))
         kept_out = weight and _is_half(row["lhs"]) and not row["lhs"].startswith("float8")
         row["fp8_excluded_by"] = next((p for p, rx in patterns if any(rx.search(n) for n in names)),
                                       None) if kept_out else None

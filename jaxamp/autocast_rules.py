@@ -37,6 +37,9 @@ __all__ = [
     "WIDEST_OPS",
     "AutocastError",
     "Mode",
+    "exclusion_names",
+    "frame_names",
+    "scope_names",
 ]
 
 F32 = np.dtype(jnp.float32)
@@ -296,6 +299,20 @@ def scope_names(eqn) -> list[str]:
     return [str(getattr(entry, "name", entry)) for entry in stack]
 
 
+def frame_names(eqn) -> list[str]:
+    """The qualified names of the functions on the call stack that traced the matmul (`"Embed.attend"`,
+    `"Linear.__call__"`, a user's `"head"`), innermost first: what names an NNX or plain-`jnp` model's layers, which
+    put no names on the name stack."""
+    traceback = eqn.source_info.traceback
+    return [str(frame.function_name) for frame in (traceback.frames if traceback is not None else ())]
+
+
+def exclusion_names(eqn, scopes=None) -> list[str]:
+    """Every name an `fp8_exclude` pattern is searched in: the name stack's (`scope_names`, or `scopes`), then the
+    functions on the call stack (`frame_names`)."""
+    return [*(scope_names(eqn) if scopes is None else scopes), *frame_names(eqn)]
+
+
 def fp8_applies(eqn, mode: Mode) -> bool:
     """Whether the FP8 recipe takes this matmul: a `dot_general` without batch dimensions (a weight matmul; the
     attention's batched score and value matmuls keep the compute dtype, as Transformer Engine's Linear layers do),
@@ -303,7 +320,7 @@ def fp8_applies(eqn, mode: Mode) -> bool:
     if mode.fp8 is None or eqn.primitive.name != "dot_general":
         return False
     (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
-    if lb or any(p.search(name) for p in mode.fp8_exclude for name in scope_names(eqn)):
+    if lb or any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn)):
         return False
     if mode.fp8.multiple is None:
         return True

@@ -155,12 +155,14 @@ def autocast(fn: F, dtype: Any, *, fp8: Any = None, fp8_exclude: Sequence[str] =
       dtype: the compute dtype: `jnp.bfloat16` / `"bfloat16"` / `"bf16"` or `jnp.float16` / `"float16"` / `"fp16"`.
       fp8: None, or a recipe name of `jaxamp.fp8_recipes.RECIPES` (or a `Recipe`) for the weight matmuls.
       fp8_exclude: regular expressions, each searched (`re.search`, case-sensitive: anchor with `^...$` for a
-        whole name) in every name on a matmul's name stack: the Flax modules around it in linen and Hugging Face
-        Flax models (`"decoder"`, `"logitdense"`, `"lm_head"`), Equinox's module classes (`"eqx.nn.Linear"`,
-        `"eqx.nn.MultiheadAttention"`) and any `jax.named_scope` (`jaxamp.layers.attend`'s `"head"`); a match keeps
-        `dtype`. Default `FP8_EXCLUDE`: the output head by its usual names, whole (`head`, `lm_head`, `logit`,
-        `logits`, `logitdense`). NNX and plain `jnp` code have no module names there: wrap such a matmul in
-        `jax.named_scope("head")` to exclude it.
+        whole name) in every name on a matmul's name stack and in the qualified name of every function on the call
+        stack that traced it: the Flax modules around it in linen and Hugging Face Flax models (`"decoder"`,
+        `"logitdense"`, `"lm_head"`), Equinox's module classes (`"eqx.nn.Linear"`, `"eqx.nn.MultiheadAttention"`),
+        any `jax.named_scope` (`jaxamp.layers.attend`'s `"head"`), and methods and functions (`"Embed.attend"`,
+        NNX's `"Linear.__call__"`, a `def head(...)` of the user's); a match keeps `dtype`. Default `FP8_EXCLUDE`:
+        the output head by its usual names, whole (`head`, `lm_head`, `logit`, `logits`, `logitdense`, and
+        `Embed.attend`, the tied-embedding head of linen and NNX). NNX layers have no instance names: exclude one by
+        the method that calls it, or wrap it in `jax.named_scope("head")`.
 
     Returns:
       A function with `fn`'s signature and output structure; outputs keep their shapes, floating ones take the

@@ -141,10 +141,11 @@ def _dot(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], op_a: O
 FP8_SCOPE = "jaxamp_fp8"
 
 # The matmuls `jaxamp.autocast(..., fp8=...)` keeps in the compute dtype by default (regular expressions searched in
-# each name on a matmul's name stack): the output head (lm1b's "logitdense", GPT-2's "lm_head", jaxamp.layers.attend's
-# "head" scope), which Transformer Engine's recipes also leave in bf16. Anchored to whole names: a substring "head"
-# would also match Equinox's "eqx.nn.MultiheadAttention" and linen's "MultiHeadDotProductAttention_0" scopes.
-FP8_EXCLUDE = ("^(lm_)?head$", "^logits?(dense)?$")
+# each name on a matmul's name stack and of the functions on its call stack): the output head (lm1b's "logitdense",
+# GPT-2's "lm_head", jaxamp.layers.attend's "head" scope, and the tied-embedding head `Embed.attend` of linen and
+# NNX, Gemma's), which Transformer Engine's recipes also leave in bf16. Anchored to whole names: a substring "head"
+# would also match Equinox's "eqx.nn.MultiheadAttention" and a linen `Dense(name="multihead_proj")`.
+FP8_EXCLUDE = ("^(lm_)?head$", "^logits?(dense)?$", r"^Embed\.attend$")
 
 
 def fp8_scope(lhs_dtype, rhs_dtype) -> str:

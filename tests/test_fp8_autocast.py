@@ -117,8 +117,8 @@ def test_the_default_exclusions_match_whole_head_names_and_the_audit_says_which_
     fp8 = ("float8_e4m3fn", None)
     assert rows == {"Named/multihead_proj": fp8, "Named/logit_scale_mlp": fp8, "Named/block_0": fp8,
                     "Named/lm_head": ("bfloat16", "^(lm_)?head$")}
-    assert report.fp8_exclude == ("^(lm_)?head$", "^logits?(dense)?$") and report.fp8_unused_exclusions == (
-        "^logits?(dense)?$",)
+    assert report.fp8_exclude == ("^(lm_)?head$", "^logits?(dense)?$", r"^Embed\.attend$")
+    assert report.fp8_unused_exclusions == ("^logits?(dense)?$", r"^Embed\.attend$")
     assert report.summary().endswith("; 1 weight matmul kept out of FP8 by fp8_exclude")  # defaults: no complaint
     report, rows = forward("fp8-current;fp8_exclude=^(lm_)?head$,^block_0$,^blokc_1$")
     assert rows["Named/block_0"] == ("bfloat16", "^block_0$") and rows["Named/multihead_proj"] == fp8
@@ -126,6 +126,45 @@ def test_the_default_exclusions_match_whole_head_names_and_the_audit_says_which_
                                      "match no matmul: ^blokc_1$")
     report, rows = forward("bf16;autocast")  # no FP8 recipe: no exclusions to report
     assert report.fp8_exclude == () and all(excluded == "absent" for _, excluded in rows.values())
+
+
+def test_nnx_layers_are_excluded_by_the_methods_that_call_them_and_a_tied_head_by_default():
+    """NNX puts no names on the name stack: the call stack's functions name its layers (`Embed.attend`, the tied
+    head, by default; `Block.__call__` by a pattern)."""
+    from flax import nnx
+
+    import jaxamp.nnx as jnnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up, self.down = nnx.Linear(32, 64, rngs=rngs), nnx.Linear(64, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(nnx.gelu(self.up(x)))
+
+    class TiedLM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed, self.block = nnx.Embed(16, 32, rngs=rngs), Block(rngs)
+
+        def __call__(self, ids):
+            return self.embed.attend(self.block(self.embed(ids)))  # f32[batch, seq, vocab]
+
+    def lm_loss(model, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch["ids"]), batch["ids"]).mean()
+
+    batch = {"ids": jax.random.randint(jax.random.key(3), (4, 8), 0, 16)}
+
+    def forward(policy):
+        model = TiedLM(nnx.Rngs(0))
+        opt = jnnx.Optimizer(model, optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale())
+        rows = jnnx.precision_audit(model, opt, batch, lm_loss).rows
+        return [(r["lhs"], r["fp8_excluded_by"]) for r in rows if r["pass"] == "forward"]
+
+    fp8 = ("float8_e4m3fn", None)
+    assert forward("fp8-current") == [fp8, fp8, ("bfloat16", r"^Embed\.attend$")]  # up, down, the tied head
+    # (Python's qualified name of a class defined in this test: "test_....<locals>.Block.__call__")
+    assert forward(r"fp8-current;fp8_exclude=\.Block\.__call__$") == [
+        ("bfloat16", r"\.Block\.__call__$"), ("bfloat16", r"\.Block\.__call__$"), fp8]
 
 
 def test_equinox_attention_is_not_excluded_by_the_default_head_pattern():
