@@ -160,8 +160,9 @@ def autocast(fn: F, dtype: Any, *, fp8: Any = None, fp8_exclude: Sequence[str] =
         `"logitdense"`, `"lm_head"`), Equinox's module classes (`"eqx.nn.Linear"`, `"eqx.nn.MultiheadAttention"`),
         any `jax.named_scope` (`jaxamp.layers.attend`'s `"head"`), and methods and functions (`"Embed.attend"`,
         NNX's `"Linear.__call__"`, a `def head(...)` of the user's); a match keeps `dtype`. Default `FP8_EXCLUDE`:
-        the output head by its usual names, whole (`head`, `lm_head`, `logit`, `logits`, `logitdense`, and
-        `Embed.attend`, the tied-embedding head of linen and NNX). NNX layers have no instance names: exclude one by
+        the output head by its usual names, whole (`head`, `lm_head`, `logit`, `logits`, `logitdense`;
+        `Embed.attend`, the tied-embedding head of linen and NNX; the call of a class whose name ends in `Head`,
+        such as `LogitHead.__call__`). NNX layers have no instance names: exclude one by
         the method that calls it, or wrap it in `jax.named_scope("head")`.
 
     Returns:

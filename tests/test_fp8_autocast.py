@@ -117,8 +117,8 @@ def test_the_default_exclusions_match_whole_head_names_and_the_audit_says_which_
     fp8 = ("float8_e4m3fn", None)
     assert rows == {"Named/multihead_proj": fp8, "Named/logit_scale_mlp": fp8, "Named/block_0": fp8,
                     "Named/lm_head": ("bfloat16", "^(lm_)?head$")}
-    assert report.fp8_exclude == ("^(lm_)?head$", "^logits?(dense)?$", r"^Embed\.attend$")
-    assert report.fp8_unused_exclusions == ("^logits?(dense)?$", r"^Embed\.attend$")
+    assert report.fp8_exclude == ("^(lm_)?head$", "^logits?(dense)?$", r"^Embed\.attend$", r"Head\.__call__$")
+    assert report.fp8_unused_exclusions == ("^logits?(dense)?$", r"^Embed\.attend$", r"Head\.__call__$")
     assert report.summary().endswith("; 1 weight matmul kept out of FP8 by fp8_exclude")  # defaults: no complaint
     report, rows = forward("fp8-current;fp8_exclude=^(lm_)?head$,^block_0$,^blokc_1$")
     assert rows["Named/block_0"] == ("bfloat16", "^block_0$") and rows["Named/multihead_proj"] == fp8
@@ -170,16 +170,24 @@ def test_nnx_layers_are_excluded_by_the_methods_that_call_them_and_a_tied_head_b
 def test_equinox_attention_is_not_excluded_by_the_default_head_pattern():
     """Equinox puts its classes on the name stack ("eqx.nn.MultiheadAttention"): a substring "head" matched it."""
     eqx = pytest.importorskip("equinox")
+
+    class ClassifierHead(eqx.Module):  # a head class: its call is excluded by default ("Head.__call__$")
+        linear: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.linear(x)
+
     mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=32, key=jax.random.key(0))
     head = eqx.nn.Linear(32, 4, key=jax.random.key(1))
-    params, static = eqx.partition((mha, head), eqx.is_inexact_array)
+    cls = ClassifierHead(eqx.nn.Linear(32, 4, key=jax.random.key(3)))
+    params, static = eqx.partition((mha, head, cls), eqx.is_inexact_array)
 
     def eqx_loss(p, batch, rng):
-        attn, out = eqx.combine(p, static)
+        attn, out, classifier = eqx.combine(p, static)
         x = batch["x"].reshape(8, 8, 32)  # f32[batch, seq, width]
         pooled = jax.vmap(lambda t: attn(t, t, t).mean(0))(x)  # f32[batch, width]
-        with jax.named_scope("head"):  # NNX and Equinox name no head: a scope does
-            logits = jax.vmap(out)(pooled)
+        with jax.named_scope("head"):  # or a scope named "head"
+            logits = jax.vmap(out)(pooled) + jax.vmap(classifier)(pooled)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"][:8]).mean()
 
     state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="fp8-current", loss_scale=NoOpLossScale(),
@@ -188,7 +196,9 @@ def test_equinox_attention_is_not_excluded_by_the_default_head_pattern():
     attention = [r for r in forward if "MultiheadAttention" in r["scope"] and "Linear" in r["scope"]]
     assert len(attention) == 4 and all(r["lhs"] == "float8_e4m3fn" for r in attention)  # q, k, v and out in FP8
     assert [r["fp8_excluded_by"] for r in forward if "eqx.nn.Linear" in r["scope"] and "Multihead" not in r[
-        "scope"]] == ["^(lm_)?head$"]  # the scoped head
+        "scope"]] == ["^(lm_)?head$", "^(lm_)?head$"]  # both heads, first by the scope
+    assert precision_audit(state.replace(policy=get_policy(r"fp8-current;fp8_exclude=Head\.__call__$")),
+                           make_batch(0), eqx_loss).summary().endswith("1 weight matmul kept out of FP8 by fp8_exclude")
 
 
 def test_a_power_of_2_loss_scale_leaves_fp8_current_training_bitwise_unchanged():
