@@ -125,6 +125,17 @@ def _scope(eqn) -> list[str]:
     return [n for n in names if n not in ("jvp", "transpose") and not n.startswith(FP8_SCOPE + ":")]
 
 
+def _callers(eqn) -> str:
+    """The qualified names of the functions outside JAX and jaxamp that traced the matmul, innermost first:
+    `"Linear.__call__ < GPT.__call__ < loss_fn"` (what an `fp8_exclude` pattern can also match)."""
+    traceback = eqn.source_info.traceback
+    frames = traceback.frames if traceback is not None else ()
+    skip = (os.sep + "jax" + os.sep, os.sep + "jaxlib" + os.sep, _JAXAMP, os.sep + "contextlib.py",
+            os.sep + "functools.py")
+    return " < ".join(str(f.function_name) for f in frames
+                      if not any(s in str(f.file_name) or str(f.file_name).startswith(s) for s in skip))
+
+
 def _pass(eqn) -> str:
     return "backward" if "transpose" in str(eqn.source_info.name_stack) else "forward"
 
@@ -201,7 +212,7 @@ class _Walk:
         row = {"source": source, "library": library, "primitive": eqn.primitive.name, "lhs": lhs, "rhs": rhs,
                "out": _dtype(eqn.outvars[0]), "flops": _matmul_flops(eqn) * trips, "pass": _pass(eqn),
                "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}",
-               "scope": "/".join(_scope(eqn))}
+               "scope": "/".join(_scope(eqn)), "callers": _callers(eqn)}
         self.rows.append(row)
         self.eqns.append(eqn)
         # What an FP8 recipe would take (autocast_rules.fp8_applies): a dot_general without batch dims.
@@ -279,8 +290,10 @@ class PrecisionReport:
         library frame that issued it, e.g. `flax/linen/linear.py:Dense.__call__`, or ""), `primitive`, `lhs`,
         `rhs`, `out` (dtype names), `flops` (per step, times scan trip counts), `pass` (`"forward"` or
         `"backward"`), `shape`, `scope` (the names on its name stack: `"Model/block_0/Dense_1"`; Equinox's
-        classes, `jax.named_scope`s), and under a stateless FP8 recipe `fp8_excluded_by`: the `fp8_exclude`
-        pattern that kept this half-precision weight matmul out of FP8, or None.
+        classes, `jax.named_scope`s), `callers` (the functions outside JAX and jaxamp that traced it, innermost
+        first: `"Linear.__call__ < GPT.__call__ < loss_fn"`), and under a stateless FP8 recipe
+        `fp8_excluded_by`: the `fp8_exclude` pattern that kept this half-precision weight matmul out of FP8, or
+        None.
       fallbacks: the rows with a float32 operand under a half-precision policy; the first holds `cause` too.
       half_accumulations: sums, scatter-adds and cumulative ops in half precision over more values than the format
         absorbs (`ABSORB_LIMIT`): dicts with `source`, `library`, `primitive`, `dtype`, `size` (values added per
@@ -305,6 +318,13 @@ class PrecisionReport:
         return tuple(p for p in self.fp8_exclude if p not in used)
 
     @property
+    def fp8_unused_added(self) -> tuple[str, ...]:
+        """The unused patterns the user gave: all of them, except the defaults (`FP8_EXCLUDE`, which a model need
+        not match) when the exclusions begin with them (`;fp8_exclude+=...`)."""
+        defaults = FP8_EXCLUDE if self.fp8_exclude[:len(FP8_EXCLUDE)] == FP8_EXCLUDE else ()
+        return tuple(p for p in self.fp8_unused_exclusions if p not in defaults)
+
+    @property
     def fp8_fraction(self) -> float:
         """Share of the matmul FLOPs whose operands are both FP8 (`jaxamp.fp8_recipes` matmuls and Flax's FP8 ops
         on FP8 operands); 0.0 when the step has no matmul."""
@@ -323,9 +343,11 @@ class PrecisionReport:
         excluded = sum(1 for r in self.rows if r.get("fp8_excluded_by") and r["pass"] == "forward")
         if excluded:
             text += f"; {excluded} weight matmul{'' if excluded == 1 else 's'} kept out of FP8 by fp8_exclude"
-        unused = [p for p in self.fp8_unused_exclusions if p not in FP8_EXCLUDE]  # (the defaults may not apply)
-        if unused:
-            text += f"; fp8_exclude patterns that match no matmul: {', '.join(unused)}"
+        elif self.fp8_fraction and self.fp8_exclude:
+            text += ("; fp8_exclude kept no matmul out of FP8 (an output head without a usual name runs in FP8: "
+                     "wrap it in jax.named_scope('head'))")
+        if self.fp8_unused_added:
+            text += f"; fp8_exclude patterns that match no matmul: {', '.join(self.fp8_unused_added)}"
         if self.fallbacks:
             worst = max(self.fallbacks, key=lambda r: r["flops"])
             text += f"; {len(self.fallbacks)} in float32, largest at {worst['source']}"
@@ -417,7 +439,8 @@ def _fp8_exclude(policy):
 
 def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: str = "train_step") -> bool:
     """One `PrecisionWarning` when a half-precision step runs under `threshold` of its matmul FLOPs in half
-    precision, or sums in half precision past the format's limit; returns whether it warned."""
+    precision, sums in half precision past the format's limit, or has `fp8_exclude` patterns the user gave that
+    match no matmul; returns whether it warned."""
     if not _is_half(report.compute_dtype):
         return False
     problems = []
@@ -431,14 +454,23 @@ def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: 
         problems.append(f"{len(report.half_accumulations)} sums in half precision add more values than "
                         f"{report.compute_dtype} absorbs (largest: {worst['size']:,} values in {worst['dtype']} at "
                         f"{worst['source']})")
+    if report.fp8_unused_added:
+        problems.append(f"the fp8_exclude patterns {', '.join(report.fp8_unused_added)} match no matmul (a typo? "
+                        "each is searched in the names on a matmul's name stack and of the functions that called "
+                        "it: see the audit's scope and callers)")
     if not problems:
         return False
-    advice = ("under autocast, a float32 matmul is one the code asks for (a cast to float32 on its operands, "
-              "preferred_element_type=float32, a jaxamp.disabled region) or a float64 one: the cause names it"
-              if report.autocast else "get_policy(..., autocast=True) computes the matmuls of unchanged float32 "
-              "code in half precision with float32 sums")
+    degraded = report.half_fraction < threshold or bool(report.half_accumulations)
+    advice = ""
+    if degraded and report.autocast:
+        advice = ("; under autocast, a float32 matmul is one the code asks for (a cast to float32 on its operands, "
+                  "preferred_element_type=float32, a jaxamp.disabled region) or a float64 one: the cause names it")
+    elif degraded:
+        advice = ("; get_policy(..., autocast=True) computes the matmuls of unchanged float32 code in half precision "
+                  "with float32 sums")
     warnings.warn(f"{where} under policy {report.policy!r}: " + "; ".join(problems)
-                  + f". jaxamp.precision_audit(...) lists every op; {advice}", PrecisionWarning, stacklevel=3)
+                  + f". jaxamp.precision_audit(...) lists every op{advice}",
+                  PrecisionWarning, stacklevel=3)
     return True
 
 

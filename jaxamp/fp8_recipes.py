@@ -142,11 +142,12 @@ FP8_SCOPE = "jaxamp_fp8"
 
 # The matmuls `jaxamp.autocast(..., fp8=...)` keeps in the compute dtype by default (regular expressions searched in
 # each name on a matmul's name stack and of the functions on its call stack): the output head (lm1b's "logitdense",
-# GPT-2's "lm_head", jaxamp.layers.attend's "head" scope, the tied-embedding head `Embed.attend` of linen and NNX,
-# Gemma's, and a head class's call, ESM2's `LogitHead.__call__`), which Transformer Engine's recipes also leave in
-# bf16. Anchored to whole names: a substring "head" would also match Equinox's "eqx.nn.MultiheadAttention" and a
-# linen `Dense(name="multihead_proj")`.
-FP8_EXCLUDE = ("^(lm_)?head$", "^logits?(dense)?$", r"^Embed\.attend$", r"Head\.__call__$")
+# GPT-2's "lm_head", jaxamp.layers.attend's "head" scope, a method such as `GPT.head` or `GPT.logits`, the
+# tied-embedding head `Embed.attend` of linen and NNX, Gemma's, and a head class's call, ESM2's
+# `LogitHead.__call__`), which Transformer Engine's recipes also leave in bf16. Anchored to whole names (or a method's
+# name after its class's): a substring "head" would also match Equinox's "eqx.nn.MultiheadAttention" and a linen
+# `Dense(name="multihead_proj")`.
+FP8_EXCLUDE = (r"(^|\.)(lm_)?head$", r"(^|\.)logits?(dense)?$", r"(^|\.)Embed\.attend$", r"Head\.__call__$")
 
 
 def fp8_scope(lhs_dtype, rhs_dtype) -> str:

@@ -29,7 +29,8 @@ from jaxamp.fp8_recipes import FP8_EXCLUDE, RECIPES
 PyTree = Any
 
 __all__ = ["FP8_RECIPE_SPECS", "PRESETS", "Policy", "auto_precision", "fp8_recipe", "get_policy", "keep_matches",
-           "leaf_path", "needs_loss_scaling", "opt_state_dtype", "policy_name", "uses_autocast", "uses_fp8"]
+           "leaf_path", "needs_loss_scaling", "opt_state_dtype", "policy_name", "split_patterns", "uses_autocast",
+           "uses_fp8"]
 
 
 def leaf_path(path) -> str:
@@ -139,8 +140,8 @@ FP8_RECIPE_SPECS = {"fp8-current": "current", "fp8-block": "block", "mxfp8": "mx
 
 _JMP_FORMS = ('"params=float32,compute=float16,output=float32"', '"p=f32,c=bf16"', 'a dtype name such as "float32"')
 _RULES = ("';keep_float32=PATTERN,PATTERN', ';autocast', ';fp8', ';fp8=RECIPE' (current, block, mxfp8: autocast with "
-          "stateless FP8 weight matmuls), ';fp8_exclude=REGEX,REGEX' and ';opt_state=bf16' (or fp16: the "
-          "optimizer state's dtype)")
+          "stateless FP8 weight matmuls), ';fp8_exclude=REGEX,REGEX' (replaces the default exclusions) or "
+          "';fp8_exclude+=REGEX,REGEX' (adds to them) and ';opt_state=bf16' (or fp16: the optimizer state's dtype)")
 _OPT_STATE_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 
 
@@ -156,8 +157,9 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
         unnamed output dtype follows the compute dtype), any of these followed by rules (what `policy_name`
         writes): `";autocast"`, `";keep_float32=PATTERN,PATTERN"`, `";fp8"` (delayed scaling), `";fp8=RECIPE"`
         (`current`, `block`, `mxfp8`), `";fp8_exclude=REGEX,REGEX"` (the matmuls a recipe leaves in the compute
-        dtype; default the output head, `FP8_EXCLUDE`), `";opt_state=bf16"` (or `fp16`: the optimizer state's
-        dtype); or a `jmp.Policy`.
+        dtype, replacing the default, the output head's usual names `FP8_EXCLUDE`; commas inside a regex's (), []
+        or {} stay in it) or `";fp8_exclude+=REGEX,REGEX"` (added to the default), `";opt_state=bf16"` (or
+        `fp16`: the optimizer state's dtype); each rule at most once; or a `jmp.Policy`.
       keep_float32: `fnmatch` patterns of leaves that stay float32 in the compute copy (see `Policy`), added to
         those of `spec`.
       autocast: hand `loss_fn` the float32 master weights and run it under `jaxamp.autocast` with the compute dtype
@@ -168,14 +170,15 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
       when a rule applies, else the plain jmp policy (a preset, or `spec` itself).
 
     Raises:
-      ValueError: the name is neither a preset nor a jmp policy string, or a rule is unknown (the message lists the
-        accepted forms), `keep_float32` is not a sequence of non-empty strings, or autocast is asked for with
-        `keep_float32` or a float32 compute dtype.
+      ValueError: the name is neither a preset nor a jmp policy string, a rule is unknown (the message lists the
+        accepted forms) or given twice, `keep_float32` is not a sequence of non-empty strings, or autocast is asked
+        for with `keep_float32` or a float32 compute dtype.
     """
     _patterns(keep_float32)
     fp8, recipe, exclude, opt_dtype = False, None, None, None
     if isinstance(spec, str) and ";" in spec:
         spec, *rules = spec.split(";")
+        _check_repeats(rules)
         for rule in (r.strip() for r in rules):
             name, _, patterns = rule.partition("=")
             if rule == "fp8":
@@ -186,8 +189,9 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
                 keep_float32 = (*[p.strip() for p in patterns.split(",") if p.strip()], *keep_float32)
             elif name.strip() == "fp8" and patterns.strip():
                 recipe = _recipe_name(patterns.strip())
-            elif name.strip() == "fp8_exclude":
-                exclude = tuple(p.strip() for p in patterns.split(",") if p.strip())
+            elif name.strip() in ("fp8_exclude", "fp8_exclude+"):
+                added = tuple(p.strip() for p in split_patterns(patterns) if p.strip())
+                exclude = (*FP8_EXCLUDE, *added) if name.strip().endswith("+") else added
             elif name.strip() == "opt_state":
                 if patterns.strip().lower() not in _OPT_STATE_DTYPES:
                     raise ValueError(f"';opt_state={patterns.strip()}': the optimizer state is stored in bf16 or "
@@ -217,6 +221,30 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
     exclude = exclude if exclude is not None else getattr(base, "fp8_exclude", FP8_EXCLUDE)
     return Policy(base.param_dtype, base.compute_dtype, base.output_dtype, keep_float32=keep, fp8=fp8,
                   autocast=autocast, fp8_recipe=recipe, fp8_exclude=tuple(exclude), opt_state_dtype=opt_dtype)
+
+
+def split_patterns(text: str) -> list[str]:
+    """`"a,b{1,2},(c|d)"` -> `["a", "b{1,2}", "(c|d)"]`: splits at the commas outside (), [] and {} (a regex's own
+    commas stay), as the `;fp8_exclude=` rule reads its patterns."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}" and depth > 0
+        if ch == "," and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    return [*out, text[start:]]
+
+
+def _check_repeats(rules: list[str]) -> None:
+    """A rule given twice (its second value would silently win) is refused, naming the fix."""
+    seen: set[str] = set()
+    for rule in rules:
+        name = rule.strip().partition("=")[0].strip().rstrip("+")
+        if name in seen:
+            raise ValueError(f"policy rule ';{name}' is given twice: give it once (join patterns with commas; "
+                             f"';fp8_exclude+=...' adds to the default exclusions)")
+        seen.add(name)
 
 
 def _recipe_name(name: str) -> str:
@@ -274,8 +302,12 @@ def _base_policy(spec: str | jmp.Policy) -> jmp.Policy:
         guess = f" (did you mean {close[0]!r}?)" if close else ""
         accepted = ", ".join(f'"{p}"' for p in (*PRESETS, "auto"))
         recipes = ", ".join(f'"{p}"' for p in FP8_RECIPE_SPECS)
+        if close:
+            raise ValueError(f"unknown precision policy {spec!r}{guess}; the presets are {accepted} and the stateless "
+                             f"FP8 recipes {recipes} (jmp policy strings and the ';' rules: get_policy's docstring)"
+                             ) from None
         raise ValueError(
-            f"unknown precision policy {spec!r}{guess}; accepted: the presets {accepted}, the stateless FP8 recipes "
+            f"unknown precision policy {spec!r}; accepted: the presets {accepted}, the stateless FP8 recipes "
             f"{recipes}, or a jmp policy string ({'; '.join(_JMP_FORMS)}), optionally followed by the rules "
             f"{_RULES} (jmp: {err})"
         ) from None

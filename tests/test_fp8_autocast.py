@@ -2,6 +2,7 @@
 code through `jaxamp.fp8_recipes` under `jaxamp.autocast`, with the output head excluded by name."""
 
 import collections
+import warnings
 
 import flax.linen as nn
 import jax
@@ -10,7 +11,17 @@ import optax
 import pytest
 from asserts import assert_trees_equal
 
-from jaxamp import DynamicLossScale, NoOpLossScale, StaticLossScale, TrainState, get_policy, precision_audit, train_step
+from jaxamp import (
+    DynamicLossScale,
+    NoOpLossScale,
+    PrecisionWarning,
+    StaticLossScale,
+    TrainState,
+    get_policy,
+    precision_audit,
+    train_step,
+)
+from jaxamp.fp8_recipes import FP8_EXCLUDE
 from jaxamp.precision import fp8_recipe, policy_name
 
 STEP = jax.jit(train_step, static_argnames=("loss_fn", "accum_steps"))
@@ -62,6 +73,7 @@ def test_recipe_specs_are_autocast_policies_that_round_trip(spec, recipe):
 
 @pytest.mark.parametrize("spec, message", [
     ("fp8;fp8=current", "two FP8 schemes"),
+    ("fp8-current;fp8_exclude=a;fp8_exclude+=b", r"';fp8_exclude' is given twice: give it once"),
     ("bf16;fp8_exclude=head", "add ';fp8=current'"),
     ("bf16;fp8=delayed", "unknown FP8 recipe 'delayed'"),
     ("fp32;fp8=current", "half-precision dtype"),
@@ -116,14 +128,22 @@ def test_the_default_exclusions_match_whole_head_names_and_the_audit_says_which_
     report, rows = forward("fp8-current")
     fp8 = ("float8_e4m3fn", None)
     assert rows == {"Named/multihead_proj": fp8, "Named/logit_scale_mlp": fp8, "Named/block_0": fp8,
-                    "Named/lm_head": ("bfloat16", "^(lm_)?head$")}
-    assert report.fp8_exclude == ("^(lm_)?head$", "^logits?(dense)?$", r"^Embed\.attend$", r"Head\.__call__$")
-    assert report.fp8_unused_exclusions == ("^logits?(dense)?$", r"^Embed\.attend$", r"Head\.__call__$")
+                    "Named/lm_head": ("bfloat16", r"(^|\.)(lm_)?head$")}
+    assert report.fp8_exclude == FP8_EXCLUDE and report.fp8_unused_exclusions == FP8_EXCLUDE[1:]
+    assert report.fp8_unused_added == ()  # the defaults need not match: no complaint
     assert report.summary().endswith("; 1 weight matmul kept out of FP8 by fp8_exclude")  # defaults: no complaint
     report, rows = forward("fp8-current;fp8_exclude=^(lm_)?head$,^block_0$,^blokc_1$")
     assert rows["Named/block_0"] == ("bfloat16", "^block_0$") and rows["Named/multihead_proj"] == fp8
     assert report.summary().endswith("; 2 weight matmuls kept out of FP8 by fp8_exclude; fp8_exclude patterns that "
                                      "match no matmul: ^blokc_1$")
+    report, rows = forward("fp8-current;fp8_exclude+=^block_[0-9]{1,2}$")  # added to the defaults; its comma kept
+    assert rows["Named/block_0"] == ("bfloat16", "^block_[0-9]{1,2}$") and rows["Named/lm_head"][0] == "bfloat16"
+    assert report.fp8_unused_added == ()
+    report, rows = forward("fp8-current;fp8_exclude=^(lm_)?haed$")  # a typo replacing the defaults
+    assert rows["Named/lm_head"] == fp8 and report.fp8_unused_added == ("^(lm_)?haed$",)
+    assert report.summary().endswith("; fp8_exclude kept no matmul out of FP8 (an output head without a usual name "
+                                     "runs in FP8: wrap it in jax.named_scope('head')); fp8_exclude patterns that "
+                                     "match no matmul: ^(lm_)?haed$")
     report, rows = forward("bf16;autocast")  # no FP8 recipe: no exclusions to report
     assert report.fp8_exclude == () and all(excluded == "absent" for _, excluded in rows.values())
 
@@ -161,10 +181,31 @@ def test_nnx_layers_are_excluded_by_the_methods_that_call_them_and_a_tied_head_b
         return [(r["lhs"], r["fp8_excluded_by"]) for r in rows if r["pass"] == "forward"]
 
     fp8 = ("float8_e4m3fn", None)
-    assert forward("fp8-current") == [fp8, fp8, ("bfloat16", r"^Embed\.attend$")]  # up, down, the tied head
+    assert forward("fp8-current") == [fp8, fp8, ("bfloat16", r"(^|\.)Embed\.attend$")]  # up, down, the tied head
     # (Python's qualified name of a class defined in this test: "test_....<locals>.Block.__call__")
     assert forward(r"fp8-current;fp8_exclude=\.Block\.__call__$") == [
         ("bfloat16", r"\.Block\.__call__$"), ("bfloat16", r"\.Block\.__call__$"), fp8]
+
+
+def test_an_exclusion_that_matches_nothing_warns_once_per_compilation_and_rows_name_their_callers():
+    net = Named()
+    params = net.init(jax.random.key(0), jnp.ones((2, 32)))["params"]
+
+    def named_loss(p, batch, rng):
+        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, batch["x"]), batch["y"]).mean()
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="fp8-current;fp8_exclude+=^blokc_0$",
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            state, _ = STEP(state, make_batch(i), named_loss)
+    found = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+    assert len(found) == 1 and "the fp8_exclude patterns ^blokc_0$ match no matmul (a typo?" in found[0], found
+    assert "autocast" not in found[0].split("lists every op")[1]  # no float32 advice: nothing fell back
+    rows = precision_audit(state, make_batch(0), named_loss).rows
+    assert {r["callers"].split(" < ")[0] for r in rows if r["pass"] == "forward"} == {"Dense.__call__"}
+    assert all(r["callers"].endswith("named_loss") for r in rows if r["pass"] == "forward")
 
 
 def test_equinox_attention_is_not_excluded_by_the_default_head_pattern():
@@ -196,7 +237,7 @@ def test_equinox_attention_is_not_excluded_by_the_default_head_pattern():
     attention = [r for r in forward if "MultiheadAttention" in r["scope"] and "Linear" in r["scope"]]
     assert len(attention) == 4 and all(r["lhs"] == "float8_e4m3fn" for r in attention)  # q, k, v and out in FP8
     assert [r["fp8_excluded_by"] for r in forward if "eqx.nn.Linear" in r["scope"] and "Multihead" not in r[
-        "scope"]] == ["^(lm_)?head$", "^(lm_)?head$"]  # both heads, first by the scope
+        "scope"]] == [r"(^|\.)(lm_)?head$", r"(^|\.)(lm_)?head$"]  # both heads, first by the scope
     assert precision_audit(state.replace(policy=get_policy(r"fp8-current;fp8_exclude=Head\.__call__$")),
                            make_batch(0), eqx_loss).summary().endswith("1 weight matmul kept out of FP8 by fp8_exclude")
 
