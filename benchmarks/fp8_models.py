@@ -36,8 +36,8 @@ RECIPES = ("fp8-current", "fp8-block")
 def audit_row(report) -> dict:
     """The audit's shares, the excluded scopes and the other bf16 weight matmuls (forward pass)."""
     forward = [r for r in report.rows if r["pass"] == "forward"]
-    excluded = sorted({f"{r['scope'] or r['source']} ({r['fp8_excluded_by']})" for r in forward
-                       if r.get("fp8_excluded_by")})  # (NNX: no scope, the source line)
+    excluded = sorted({f"{r['scope'] or r['source']} ({r['fp8_excluded_by']})".replace("|", "\\|") for r in forward
+                       if r.get("fp8_excluded_by")})  # (NNX: no scope, the source line; a regex's | escaped)
     others = sorted({r["scope"] or r["source"] for r in forward if r["primitive"] == "dot_general"
                      and not r["lhs"].startswith("float8") and not r.get("fp8_excluded_by")
                      and "," not in (r["scope"] or "").rsplit("/", 1)[-1]})  # (an einsum's spec: batched)

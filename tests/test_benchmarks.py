@@ -479,9 +479,10 @@ def test_fp8_models_tiny(tmp_path):
     proc = run_script("benchmarks/fp8_models.py", "--trials", "gpt2_hf", "--recipes", "fp8-current", "--steps", "1",
                       "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    cells = table_rows(out.read_text())["gpt2_hf"]
+    line = next(x for x in out.read_text().splitlines() if x.startswith("| gpt2_hf |"))
+    cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))][1:]  # (a cell's \| is a |)
     assert cells[:3] == ["hf", "fp8-current", "100.0%"] and 50 < number(cells[3]) < 100, cells
-    assert cells[4:6] == [r"FlaxGPT2LMHeadModule/lm_head ((^|\.)(lm_)?head$)", "-"] and number(cells[6]) < 1, cells
+    assert cells[4:6] == [r"FlaxGPT2LMHeadModule/lm_head ((^\|\.)(lm_)?head$)", "-"] and number(cells[6]) < 1, cells
 
 
 def test_reference_seeds_table(tmp_path, capsys):
