@@ -174,6 +174,18 @@ def report(rows: dict, steps: int, argv) -> str:
     return "\n".join(lines) + "\n"
 
 
+def each_trial(names, measure_one) -> dict:
+    """`{name: measure_one(name)}` over the trials, skipping (with a line) one whose source cannot be fetched."""
+    rows = {}
+    for name in names:
+        try:
+            rows[name] = measure_one(name)
+        except SourceUnavailable as err:
+            harness.log(f"{name}: skipped ({err})")
+        harness.log(f"{name} done")
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", nargs="*", default=list(TRIALS), choices=list(TRIALS))
@@ -181,13 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     harness.check_output(parser, "--out", args.out)
-    rows = {}
-    for name in args.trials:
-        try:
-            rows[name] = measure(name, args.steps)
-        except SourceUnavailable as err:
-            harness.log(f"{name}: skipped ({err})")
-        harness.log(f"{name} done")
+    rows = each_trial(args.trials, lambda name: measure(name, args.steps))
     harness.write_report(args.out, report(rows, args.steps, argv if argv is not None else sys.argv[1:]))
     return 0
 

@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the trials (tests/outside_models)
 
 import numpy as np  # noqa: E402
-from outside_models import TRIALS, SourceUnavailable  # noqa: E402
+from outside_models import TRIALS  # noqa: E402
 
 import jaxamp  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from benchmarks.autocast_models import Runner  # noqa: E402
+from benchmarks.autocast_models import Runner, each_trial  # noqa: E402
 
 DEFAULT_OUT = harness.RESULTS / "fp8_models.md"
 RECIPES = ("fp8-current", "fp8-block")
@@ -88,13 +88,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     harness.check_sizes(parser, args, ("steps",))
     harness.check_output(parser, "--out", args.out)
-    rows = {}
-    for name in args.trials:
-        try:
-            rows[name] = measure(name, args.steps, args.recipes)
-        except SourceUnavailable as err:
-            harness.log(f"{name}: skipped ({err})")
-        harness.log(f"{name} done")
+    rows = each_trial(args.trials, lambda name: measure(name, args.steps, args.recipes))
     harness.write_report(args.out, report(rows, args.steps, argv if argv is not None else sys.argv[1:]))
     return 0
 

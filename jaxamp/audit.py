@@ -186,7 +186,6 @@ class _Walk:
     sums: list = dataclasses.field(default_factory=list)
     producer: dict = dataclasses.field(default_factory=dict)
     first_fallback: Any = None
-    weight_matmuls: list = dataclasses.field(default_factory=list)  # per row: a dot_general without batch dims
 
     def visit(self, jaxpr, trips: int, compute_half: bool) -> None:
         for eqn in jaxpr.eqns:
@@ -215,8 +214,6 @@ class _Walk:
                "scope": "/".join(_scope(eqn)), "callers": _callers(eqn)}
         self.rows.append(row)
         self.eqns.append(eqn)
-        # What an FP8 recipe would take (autocast_rules.fp8_applies): a dot_general without batch dims.
-        self.weight_matmuls.append(eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][1][0])
         if compute_half and not (_is_half(lhs) and _is_half(rhs)):
             if self.first_fallback is None:
                 self.first_fallback = (row, eqn)
@@ -425,7 +422,9 @@ def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
     """Each row's `fp8_excluded_by`: for a half-precision (not FP8) weight matmul, the first pattern found in a name
     of its scope or of a function on its call stack (as `autocast_rules.fp8_applies` decides), else None."""
     patterns = [(p, re.compile(p)) for p in fp8_exclude]
-    for row, eqn, weight in zip(walk.rows, walk.eqns, walk.weight_matmuls):
+    for row, eqn in zip(walk.rows, walk.eqns):
+        # What an FP8 recipe would take (autocast_rules.fp8_applies): a dot_general without batch dims.
+        weight = eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][1][0]
         names = exclusion_names(eqn, _scope(eqn))
         kept_out = weight and _is_half(row["lhs"]) and not row["lhs"].startswith("float8")
         row["fp8_excluded_by"] = next((p for p, rx in patterns if any(rx.search(n) for n in names)),
