@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import source_info_util
 
-from jaxamp.autocast_rules import exclusion_names
+from jaxamp.autocast_rules import exclusion_names, weight_path
 from jaxamp.fp8_recipes import FP8_EXCLUDE, FP8_SCOPE
 from jaxamp.gradients import gradients
 from jaxamp.precision import fp8_recipe, policy_name, uses_autocast
@@ -104,7 +104,7 @@ def _where(eqn) -> tuple[str, str]:
             library = f"{short}:{frame.function_name}"
             continue
         return f"{os.path.basename(name)}:{frame.start_line}", library
-    return "?", library
+    return library or "?", library  # no user frame (a backward op of library code): the library's entry point
 
 
 def _fp8_formats(eqn) -> tuple[str, str] | None:
@@ -118,26 +118,34 @@ def _fp8_formats(eqn) -> tuple[str, str] | None:
     return None
 
 
-def _scope(eqn) -> list[str]:
-    """The names on a matmul's name stack (Flax modules, Equinox classes, `jax.named_scope`s), outermost first,
-    without autodiff's `jvp` / `transpose` and jaxamp's FP8 scope."""
+def _names(eqn) -> list[str]:
+    """The names on a matmul's name stack (Flax modules, Equinox classes, `jax.named_scope`s, autocast's
+    `WEIGHT_SCOPE`), outermost first, without autodiff's `jvp` / `transpose` and jaxamp's FP8 scope."""
     names = [str(getattr(entry, "name", entry)) for entry in getattr(eqn.source_info.name_stack, "stack", ())]
     return [n for n in names if n not in ("jvp", "transpose") and not n.startswith(FP8_SCOPE + ":")]
 
 
+def _scope(eqn) -> list[str]:
+    """`_names` without autocast's `WEIGHT_SCOPE` (the row's `weight`)."""
+    return [n for n in _names(eqn) if not weight_path([n])]
+
+
 def _callers(eqn) -> str:
     """The qualified names of the functions outside JAX and jaxamp that traced the matmul, innermost first:
-    `"Linear.__call__ < GPT.__call__ < loss_fn"` (what an `fp8_exclude` pattern can also match)."""
+    `"Linear.__call__ < GPT.__call__ < loss_fn"` (what an `fp8_exclude` pattern can also match), without linen's
+    module wrappers (`Module._call_wrapped_method`, repeated at every module)."""
     traceback = eqn.source_info.traceback
     frames = traceback.frames if traceback is not None else ()
     skip = (os.sep + "jax" + os.sep, os.sep + "jaxlib" + os.sep, _JAXAMP, os.sep + "contextlib.py",
-            os.sep + "functools.py")
+            os.sep + "functools.py", os.path.join("flax", "linen", "module.py"), os.path.join("flax", "core", ""))
     return " < ".join(str(f.function_name) for f in frames
                       if not any(s in str(f.file_name) or str(f.file_name).startswith(s) for s in skip))
 
 
-def _pass(eqn) -> str:
-    return "backward" if "transpose" in str(eqn.source_info.name_stack) else "forward"
+def _pass(eqn, inside_backward: bool = False) -> str:
+    """`"backward"` for an equation autodiff's transpose made, or one inside the body of such a scan/while/call
+    (their equations' own name stacks start afresh), else `"forward"`."""
+    return "backward" if inside_backward or "transpose" in str(eqn.source_info.name_stack) else "forward"
 
 
 def _matmul_flops(eqn) -> int:
@@ -186,6 +194,7 @@ class _Walk:
     sums: list = dataclasses.field(default_factory=list)
     producer: dict = dataclasses.field(default_factory=dict)
     first_fallback: Any = None
+    backward: bool = False  # visiting the body of a backward (transposed) scan, while or call
 
     def visit(self, jaxpr, trips: int, compute_half: bool) -> None:
         for eqn in jaxpr.eqns:
@@ -203,15 +212,18 @@ class _Walk:
                             self.producer.setdefault(("alias", id(outer)), inner)
                     for outer, inner in zip(eqn.invars[len(eqn.invars) - len(sub.invars):], sub.invars):
                         self.producer.setdefault(("input", id(inner)), outer)
+                outer, self.backward = self.backward, _pass(eqn, self.backward) == "backward"
                 self.visit(sub, trips * inner_trips, compute_half)
+                self.backward = outer
 
     def _matmul(self, eqn, trips, compute_half) -> None:
         lhs, rhs = _fp8_formats(eqn) or (_dtype(eqn.invars[0]), _dtype(eqn.invars[1]))
         source, library = _where(eqn)
         row = {"source": source, "library": library, "primitive": eqn.primitive.name, "lhs": lhs, "rhs": rhs,
-               "out": _dtype(eqn.outvars[0]), "flops": _matmul_flops(eqn) * trips, "pass": _pass(eqn),
+               "out": _dtype(eqn.outvars[0]), "flops": _matmul_flops(eqn) * trips,
+               "pass": _pass(eqn, self.backward),
                "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}",
-               "scope": "/".join(_scope(eqn)), "callers": _callers(eqn)}
+               "scope": "/".join(_scope(eqn)), "callers": _callers(eqn), "weight": weight_path(_names(eqn))}
         self.rows.append(row)
         self.eqns.append(eqn)
         if compute_half and not (_is_half(lhs) and _is_half(rhs)):
@@ -224,7 +236,7 @@ class _Walk:
         if size > ABSORB_LIMIT[dtype]:
             source, library = _where(eqn)
             self.sums.append({"source": source, "library": library, "primitive": eqn.primitive.name,
-                              "dtype": dtype, "size": size, "pass": _pass(eqn)})
+                              "dtype": dtype, "size": size, "pass": _pass(eqn, self.backward)})
 
     def cause(self, eqn) -> str:
         """The op that made `eqn`'s float32 operand float32, in one line: walking back along float32 values, the
@@ -288,9 +300,12 @@ class PrecisionReport:
         `rhs`, `out` (dtype names), `flops` (per step, times scan trip counts), `pass` (`"forward"` or
         `"backward"`), `shape`, `scope` (the names on its name stack: `"Model/block_0/Dense_1"`; Equinox's
         classes, `jax.named_scope`s), `callers` (the functions outside JAX and jaxamp that traced it, innermost
-        first: `"Linear.__call__ < GPT.__call__ < loss_fn"`), and under a stateless FP8 recipe
+        first: `"Linear.__call__ < GPT.__call__ < loss_fn"`), `weight` (under autocast, the path of the param
+        that is an operand, in the forward and in the backward matmuls derived from it: `"head.kernel"`,
+        `"params.decoder.logitdense.kernel"`; "" for an activation x activation matmul or without autocast), and
+        under a stateless FP8 recipe
         `fp8_excluded_by`: the `fp8_exclude` pattern that kept this half-precision weight matmul out of FP8, or
-        None.
+        None, and `fp8_excluded_name`: the name it matched (`"lm_head"`, `"Embed.attend"`), or None.
       fallbacks: the rows with a float32 operand under a half-precision policy; the first holds `cause` too.
       half_accumulations: sums, scatter-adds and cumulative ops in half precision over more values than the format
         absorbs (`ABSORB_LIMIT`): dicts with `source`, `library`, `primitive`, `dtype`, `size` (values added per
@@ -337,12 +352,14 @@ class PrecisionReport:
                 f"matmuls in half precision")
         if self.fp8_fraction:
             text += f" ({100 * self.fp8_fraction:.1f}% in FP8)"
-        excluded = sum(1 for r in self.rows if r.get("fp8_excluded_by") and r["pass"] == "forward")
+        excluded = [r for r in self.rows if r.get("fp8_excluded_by") and r["pass"] == "forward"]
         if excluded:
-            text += f"; {excluded} weight matmul{'' if excluded == 1 else 's'} kept out of FP8 by fp8_exclude"
+            names = list(dict.fromkeys(r["fp8_excluded_name"] for r in excluded))
+            text += (f"; {len(excluded)} weight matmul{'' if len(excluded) == 1 else 's'} kept out of FP8 by "
+                     f"fp8_exclude ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
         elif self.fp8_fraction and self.fp8_exclude:
             text += ("; fp8_exclude kept no matmul out of FP8 (an output head without a usual name runs in FP8: "
-                     "wrap it in jax.named_scope('head'))")
+                     "name it in fp8_exclude or wrap it in jax.named_scope('head'))")
         if self.fp8_unused_added:
             text += f"; fp8_exclude patterns that match no matmul: {', '.join(self.fp8_unused_added)}"
         if self.fallbacks:
@@ -355,18 +372,25 @@ class PrecisionReport:
         return text
 
     def __str__(self) -> str:
-        """The summary, then the matmuls grouped by where they come from (largest FLOPs first), the first
-        fall-back's cause and the half-precision sums, as aligned columns for a terminal."""
+        """The summary, then the matmuls grouped by where they come from and their weight, its layer numbers as `*`
+        (under autocast), largest FLOPs first (under a stateless FP8 recipe, with the `fp8_exclude` pattern that
+        kept them out of FP8), the first fall-back's cause and the half-precision sums, as aligned columns for a
+        terminal."""
         groups: dict = {}
         for r in self.rows:
-            key = (r["source"], r["library"], r["pass"], r["primitive"], r["lhs"], r["rhs"], r["out"])
+            key = (r["source"], r["library"], r["pass"], r["primitive"], r["lhs"], r["rhs"], r["out"],
+                   _layers(r.get("weight", "")) or "-", r.get("fp8_excluded_by") or "-")
             count, flops = groups.get(key, (0, 0))
             groups[key] = (count + 1, flops + r["flops"])
         total = sum(r["flops"] for r in self.rows) or 1
-        rows = [(src, lib or "-", pas, f"{prim} x{count}", f"{lhs} x {rhs} -> {out}", f"{100 * flops / total:.1f}%")
-                for (src, lib, pas, prim, lhs, rhs, out), (count, flops)
+        rows = [(src, lib or "-", pas, f"{prim} x{count}", f"{lhs} x {rhs} -> {out}", f"{100 * flops / total:.1f}%",
+                 weight, excluded)
+                for (src, lib, pas, prim, lhs, rhs, out, weight, excluded), (count, flops)
                 in sorted(groups.items(), key=lambda kv: -kv[1][1])]
-        lines = [self.summary(), "", _columns(("source", "library", "pass", "op", "dtypes", "FLOPs"), rows)]
+        header = ("source", "library", "pass", "op", "dtypes", "FLOPs", "weight", "kept out of FP8 by")
+        keep = [True] * 6 + [any(r.get("weight") for r in self.rows), bool(self.fp8_exclude)]
+        header, rows = _keep(header, keep), [_keep(row, keep) for row in rows]
+        lines = [self.summary(), "", _columns(header, rows)]
         if self.fallbacks:
             lines += ["", f"first float32 fall-back at {self.fallbacks[0]['source']}: {self.fallbacks[0]['cause']}"]
         if self.half_accumulations:
@@ -375,6 +399,16 @@ class PrecisionReport:
             lines += ["", "half-precision sums past the format's limit:",
                       _columns(("source", "library", "pass", "op", "dtype", "values"), sums)]
         return "\n".join(lines)
+
+
+def _layers(weight: str) -> str:
+    """A param path with its layer numbers as `*` (`"h.*.mlp.c_fc.kernel"`, `"Dense_*.kernel"`): one table row for
+    the same weight of every layer."""
+    return re.sub(r"[0-9]+", "*", weight)
+
+
+def _keep(row: tuple, keep: list) -> tuple:
+    return tuple(x for x, k in zip(row, keep) if k)
 
 
 def _columns(header: tuple, rows: list) -> str:
@@ -419,16 +453,18 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
 
 
 def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
-    """Each row's `fp8_excluded_by`: for a half-precision (not FP8) weight matmul, the first pattern found in a name
-    of its scope or of a function on its call stack (as `autocast_rules.fp8_applies` decides), else None."""
+    """Each row's `fp8_excluded_by` and `fp8_excluded_name`: for a half-precision (not FP8) weight matmul, the
+    first pattern found in a name of its scope, weight or call stack (as `autocast_rules.fp8_applies` decides) and
+    that name, else None."""
     patterns = [(p, re.compile(p)) for p in fp8_exclude]
     for row, eqn in zip(walk.rows, walk.eqns):
         # What an FP8 recipe would take (autocast_rules.fp8_applies): a dot_general without batch dims.
         weight = eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][1][0]
-        names = exclusion_names(eqn, _scope(eqn))
+        names = exclusion_names(eqn, _names(eqn))
         kept_out = weight and _is_half(row["lhs"]) and not row["lhs"].startswith("float8")
-        row["fp8_excluded_by"] = next((p for p, rx in patterns if any(rx.search(n) for n in names)),
-                                      None) if kept_out else None
+        match = next(((p, n) for p, rx in patterns for n in names if rx.search(n)), (None, None)) if kept_out \
+            else (None, None)
+        row["fp8_excluded_by"], row["fp8_excluded_name"] = match
 
 
 def _fp8_exclude(policy):
@@ -455,20 +491,24 @@ def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: 
                         f"{worst['source']})")
     if report.fp8_unused_added:
         problems.append(f"the fp8_exclude patterns {', '.join(report.fp8_unused_added)} match no matmul (a typo? "
-                        "each is searched in the names on a matmul's name stack and of the functions that called "
-                        "it: see the audit's scope and callers)")
+                        "each is searched in the names on a matmul's name stack, its weight's param path and "
+                        "the functions that called it: see the audit's scope, weight and callers)")
     if not problems:
         return False
     degraded = report.half_fraction < threshold or bool(report.half_accumulations)
     advice = ""
-    if degraded and report.autocast:
-        advice = ("; under autocast, a float32 matmul is one the code asks for (a cast to float32 on its operands, "
-                  "preferred_element_type=float32, a jaxamp.disabled region) or a float64 one: the cause names it")
+    if report.autocast and report.half_fraction < threshold:
+        advice = ("; under autocast, a float32 matmul is one the code keeps so (inside a jaxamp.autocast.disabled() "
+                  "region, or a custom_vjp, which runs as written) or a float64 one: the cause names it")
+    elif report.autocast and report.half_accumulations:
+        advice = ("; under autocast, a half-precision sum comes from the model's own casts (a dtype=jnp.bfloat16 or "
+                  "float16 in a Flax or Hugging Face config): build the model in float32 and let autocast choose")
     elif degraded:
         advice = ("; get_policy(..., autocast=True) computes the matmuls of unchanged float32 code in half precision "
                   "with float32 sums")
     warnings.warn(f"{where} under policy {report.policy!r}: " + "; ".join(problems)
-                  + f". jaxamp.precision_audit(...) lists every op{advice}",
+                  + f". {'jaxamp.nnx' if where.startswith('jaxamp.nnx') else 'jaxamp'}.precision_audit(...) lists "
+                    f"every op{advice}",
                   PrecisionWarning, stacklevel=3)
     return True
 

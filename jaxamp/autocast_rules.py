@@ -37,9 +37,11 @@ __all__ = [
     "WIDEST_OPS",
     "AutocastError",
     "Mode",
+    "WEIGHT_SCOPE",
     "exclusion_names",
     "frame_names",
     "scope_names",
+    "weight_path",
 ]
 
 F32 = np.dtype(jnp.float32)
@@ -181,6 +183,15 @@ def const_bound(x) -> float | None:
 # The ops whose output holds the values of their (first) input: a constant's bound carries through them.
 BOUND_PRESERVING = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "transpose", "copy"})
 
+# Ops whose output is a view of their first input's values (a param cast, transposed or resharded is still that
+# param): the interpreter carries an input's param path through them to the matmul that uses it.
+NAME_PRESERVING = BOUND_PRESERVING | {"sharding_constraint", "reshard", "mesh_cast", "pvary", "device_put"}
+
+# The name-stack entry `jaxamp.autocast` puts around a matmul whose operand is a param argument:
+# `jaxamp_weight:<path>` (`"head.kernel"`, `"params.decoder.logitdense.kernel"`, `"lm_head.weight"`). JAX keeps it
+# on the backward matmuls it derives, so the audit and `fp8_exclude` see the weight in both passes.
+WEIGHT_SCOPE = "jaxamp_weight"
+
 
 def widest_dtype(eqn, vals, bounds=None) -> np.dtype | None:
     """The dtype an op of the widest class computes in: the widest eligible floating dtype among its inputs.
@@ -307,10 +318,22 @@ def frame_names(eqn) -> list[str]:
     return [str(frame.function_name) for frame in (traceback.frames if traceback is not None else ())]
 
 
+def weight_path(names: Sequence[str]) -> str:
+    """The param path in a `WEIGHT_SCOPE` entry among `names` (`"head.kernel"`), or ""."""
+    return next((n[len(WEIGHT_SCOPE) + 1:] for n in names if n.startswith(WEIGHT_SCOPE + ":")), "")
+
+
 def exclusion_names(eqn, scopes=None) -> list[str]:
-    """Every name an `fp8_exclude` pattern is searched in: the name stack's (`scope_names`, or `scopes`), then the
-    functions on the call stack (`frame_names`)."""
-    return [*(scope_names(eqn) if scopes is None else scopes), *frame_names(eqn)]
+    """Every name an `fp8_exclude` pattern is searched in: the name stack's (`scope_names`, or `scopes`), with a
+    `WEIGHT_SCOPE` entry read as each prefix of the weight's param path (`"blocks"`, `"blocks.0"`, `"blocks.0.up"`,
+    `"blocks.0.up.kernel"`, as a linen name stack holds each enclosing module: how an NNX or Equinox model names
+    its layers, an untied `lm_head` called from its own `__call__` too), then the functions on the call stack
+    (`frame_names`)."""
+    names = []
+    for name in scope_names(eqn) if scopes is None else scopes:
+        parts = weight_path([name]).split(".")
+        names += [".".join(parts[:i + 1]) for i in range(len(parts))] if parts != [""] else [name]
+    return [*names, *frame_names(eqn)]
 
 
 def fp8_applies(eqn, mode: Mode) -> bool:

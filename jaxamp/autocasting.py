@@ -155,15 +155,17 @@ def autocast(fn: F, dtype: Any, *, fp8: Any = None, fp8_exclude: Sequence[str] =
       dtype: the compute dtype: `jnp.bfloat16` / `"bfloat16"` / `"bf16"` or `jnp.float16` / `"float16"` / `"fp16"`.
       fp8: None, or a recipe name of `jaxamp.fp8_recipes.RECIPES` (or a `Recipe`) for the weight matmuls.
       fp8_exclude: regular expressions, each searched (`re.search`, case-sensitive: anchor with `^...$` for a
-        whole name) in every name on a matmul's name stack and in the qualified name of every function on the call
-        stack that traced it: the Flax modules around it in linen and Hugging Face Flax models (`"decoder"`,
-        `"logitdense"`, `"lm_head"`), Equinox's module classes (`"eqx.nn.Linear"`, `"eqx.nn.MultiheadAttention"`),
-        any `jax.named_scope` (`jaxamp.layers.attend`'s `"head"`), and methods and functions (`"Embed.attend"`,
-        NNX's `"Linear.__call__"`, a `def head(...)` of the user's); a match keeps `dtype`. Default `FP8_EXCLUDE`:
-        the output head by its usual names, whole (`head`, `lm_head`, `logit`, `logits`, `logitdense`;
-        `Embed.attend`, the tied-embedding head of linen and NNX; the call of a class whose name ends in `Head`,
-        such as `LogitHead.__call__`). NNX layers have no instance names: exclude one by
-        the method that calls it, or wrap it in `jax.named_scope("head")`.
+        whole name) in every name on a matmul's name stack, in the path of its param operand, and in the qualified
+        name of every function on the call stack that traced it: the Flax modules around it in linen and Hugging
+        Face Flax models (`"decoder"`, `"logitdense"`, `"lm_head"`), Equinox's module classes (`"eqx.nn.Linear"`,
+        `"eqx.nn.MultiheadAttention"`), any `jax.named_scope` (`jaxamp.layers.attend`'s `"head"`); the weight's
+        param path in `fn`'s first argument or its `params=` / `variables=` keyword and each of its prefixes
+        (`"blocks"`, `"blocks.0"`, `"blocks.0.up"`, `"blocks.0.up.kernel"`; an NNX model's untied `"head"`, an
+        Equinox model's `"lm_head"`); methods and
+        functions (`"Embed.attend"`, NNX's `"Linear.__call__"`, a `def head(...)` of the user's). A match keeps
+        `dtype`. Default `FP8_EXCLUDE`: the output head by its usual names, whole (`head`, `lm_head`, `logit`,
+        `logits`, `logitdense`; `Embed.attend`, the tied-embedding head of linen and NNX; the call of a class whose
+        name ends in `Head`, such as `LogitHead.__call__`).
 
     Returns:
       A function with `fn`'s signature and output structure; outputs keep their shapes, floating ones take the
@@ -279,7 +281,8 @@ def _is_dynamic(leaf) -> bool:
 
 def _run(fn, args: tuple, kwargs: dict, mode: Mode):
     """Traces `fn(*args, **kwargs)` to a closed jaxpr and evaluates it under `mode`'s rules."""
-    leaves, treedef = jax.tree.flatten((args, kwargs))
+    paths, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [x for _, x in paths]
     dynamic = [_is_dynamic(leaf) for leaf in leaves]
 
     def flat_fn(*dyn):
@@ -288,26 +291,47 @@ def _run(fn, args: tuple, kwargs: dict, mode: Mode):
         return fn(*call_args, **call_kwargs)
 
     dyn_leaves = [x for x, d in zip(leaves, dynamic) if d]
+    names = [_param_path(path) for (path, _), d in zip(paths, dynamic) if d]
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_leaves)
-    outs = interpret(closed.jaxpr, closed.consts, dyn_leaves, mode)
+    outs = interpret(closed.jaxpr, closed.consts, dyn_leaves, mode, arg_names=names)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+PARAM_KWARGS = ("params", "variables")  # keyword arguments that hold params (HF Flax's `model(ids, params=...)`)
+
+
+def _param_path(path) -> str | None:
+    """A param leaf's path inside the params, dotted: a leaf of the first positional argument (the params, as in
+    `loss_fn(params, batch)`, `model.apply(variables, x)`, `lambda model, x: model(x)`) or of a `PARAM_KWARGS`
+    keyword argument: `"decoder.logitdense.kernel"`, `"params.decoder.logitdense.kernel"` for a linen variables
+    dict, `"lm_head.weight"` for an Equinox model; None for other arguments (the batch) and a bare array."""
+    where, keys = path[0].idx, list(path[1:])  # (args, kwargs)
+    if not keys or (where == 0 and keys[0].idx != 0) or (where == 1 and keys[0].key not in PARAM_KWARGS):
+        return None
+    parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in keys[1:]]
+    return ".".join(parts) or None
 
 
 # ---------------------------------------------------------------------------------------------------- interpreter
 
 
-def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: Sequence | None = None) -> list:
+def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: Sequence | None = None,
+              arg_names: Sequence | None = None) -> list:
     """Evaluates an open `jaxpr` on `consts` and `args` (any dtypes), re-binding each equation under `mode`.
 
     Each equation is bound inside its own source info (traceback and name stack) and equation context, as
     `jax.core.eval_jaxpr` does. `arg_bounds` (optional, per arg) are the largest magnitudes of args known to be
-    constants (see `autocast_rules.widest_dtype`); they are tracked through broadcasts and reshapes.
+    constants (see `autocast_rules.widest_dtype`); they are tracked through broadcasts and reshapes. `arg_names`
+    (optional, per arg) are the param paths of args (see `_param_path`), tracked through casts, reshapes and
+    transposes, into nested jits, scans, remat and custom_jvp bodies; a matmul with a named operand is bound in a
+    `WEIGHT_SCOPE` name scope (rhs first, then lhs).
 
     Returns:
       The jaxpr's outputs (float32_reference mode: low-precision floating ones widened to float32).
     """
     env: dict = {}
     bound: dict = {}
+    named: dict = {}
 
     def read(v):
         return v.val if isinstance(v, jex_core.Literal) else env[v]
@@ -317,20 +341,34 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
 
     for var, val in zip(jaxpr.constvars, consts):
         env[var] = val
-    for var, val, b in zip(jaxpr.invars, args, arg_bounds or [None] * len(args)):
-        env[var], bound[var] = val, b
+    for var, val, b, n in zip(jaxpr.invars, args, arg_bounds or [None] * len(args), arg_names or [None] * len(args)):
+        env[var], bound[var], named[var] = val, b, n
     for eqn in jaxpr.eqns:
         vals, bounds = [read(v) for v in eqn.invars], [read_bound(v) for v in eqn.invars]
+        names = [None if isinstance(v, jex_core.Literal) else named.get(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), _eqn_context(eqn):
-            outs = rules.check_outputs(eqn, _rule(eqn, mode)(eqn, vals, mode, bounds), mode)
+        rule, extra = _rule(eqn, mode), {}
+        if rule in _NAMED_RULES and any(names):
+            extra = {"names": names}
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), _eqn_context(eqn), \
+                _weight_scope(eqn, names):
+            outs = rules.check_outputs(eqn, rule(eqn, vals, mode, bounds, **extra), mode)
         for var, out in zip(eqn.outvars, outs):
             if not isinstance(var, jex_core.DropVar):
                 env[var] = out
         if eqn.primitive.name in rules.BOUND_PRESERVING and bounds and bounds[0] is not None:
             bound[eqn.outvars[0]] = bounds[0]
+        if eqn.primitive.name in rules.NAME_PRESERVING and names and names[0] is not None:
+            named[eqn.outvars[0]] = names[0]
     outs = [read(v) for v in jaxpr.outvars]
     return [cast(x, rules.F32) if mode.reference and rules.is_low_float(dtype_of(x)) else x for x in outs]
+
+
+def _weight_scope(eqn, names: list):
+    """`jax.named_scope("jaxamp_weight:<path>")` for a matmul with a param operand (rhs, else lhs), else nothing."""
+    if eqn.primitive.name not in rules.MATMUL_OPS or not any(names[:2]):
+        return contextlib.nullcontext()
+    return jax.named_scope(f"{rules.WEIGHT_SCOPE}:{names[1] or names[0]}")
 
 
 def _eqn_context(eqn):
@@ -350,20 +388,20 @@ def _rule(eqn, mode: Mode):
     return HIGHER_ORDER_RULES.get(name) or rules.FIRST_ORDER_RULES.get(name) or rules.original_rule
 
 
-def _closed_fn(closed, mode: Mode) -> Callable[..., list]:
-    """A ClosedJaxpr as a function of its inputs, interpreted under `mode`."""
-    return lambda *xs: interpret(closed.jaxpr, closed.consts, xs, mode)
+def _closed_fn(closed, mode: Mode, names: Sequence | None = None) -> Callable[..., list]:
+    """A ClosedJaxpr as a function of its inputs (their param paths `names`), interpreted under `mode`."""
+    return lambda *xs: interpret(closed.jaxpr, closed.consts, xs, mode, arg_names=names)
 
 
 # ----------------------------------------------------------------------------------------------- higher-order rules
 
 
-def _jit_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+def _jit_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     """Nested jit: inlined (interpreted in place); specified in/out shardings become sharding constraints."""
     params = eqn.params
     vals = _constrain(vals, params.get("in_shardings"))
     closed = params["jaxpr"]
-    outs = interpret(closed.jaxpr, closed.consts, vals, mode, bounds)
+    outs = interpret(closed.jaxpr, closed.consts, vals, mode, bounds, names)
     return _constrain(outs, params.get("out_shardings"))
 
 
@@ -374,21 +412,24 @@ def _constrain(vals: list, shardings) -> list:
             for x, s in zip(vals, shardings)]
 
 
-def _closed_call_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+def _closed_call_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     """closed_call / core_call: inlined."""
     call = eqn.params["call_jaxpr"]
     if isinstance(call, jex_core.ClosedJaxpr):
-        return interpret(call.jaxpr, call.consts, vals, mode, bounds)
-    return interpret(call, [], vals, mode, bounds)
+        return interpret(call.jaxpr, call.consts, vals, mode, bounds, names)
+    return interpret(call, [], vals, mode, bounds, names)
 
 
-def _scan_rule(eqn, vals, mode: Mode, bounds=None) -> list:
-    """scan: `lax.scan` over an interpreted body; carries keep their original dtype, stacked outputs the body's."""
+def _scan_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
+    """scan: `lax.scan` over an interpreted body; carries keep their original dtype, stacked outputs the body's.
+    Consts and xs keep their param paths in the body (a layer of `nn.scan`'s stacked params is that param)."""
     p = eqn.params
     closed, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
     consts, init, xs = vals[:n_consts], vals[n_consts:n_consts + n_carry], vals[n_consts + n_carry:]
     targets = [mode.fixed_dtype(a.dtype) for a in closed.in_avals[n_consts:n_consts + n_carry]]
-    body_fn = _closed_fn(closed, mode)
+    if names is not None:
+        names = [*names[:n_consts], *[None] * n_carry, *names[n_consts + n_carry:]]
+    body_fn = _closed_fn(closed, mode, names)
 
     def body(carry, x):
         outs = body_fn(*consts, *carry, *x)
@@ -435,13 +476,14 @@ def _cond_rule(eqn, vals, mode: Mode, bounds=None) -> list:
     return list(lax.switch(index, [branch_fn(b) for b in branches], *ops))
 
 
-def _remat_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+def _remat_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     """checkpoint/remat: re-wrapped with `jax.checkpoint` (same policy and prevent_cse) over the interpreted body."""
     p = eqn.params
     jaxpr = p["jaxpr"]
     if jaxpr.constvars:
         return rules.original_rule(eqn, vals, mode, bounds)
-    fn = jax.checkpoint(lambda *xs: interpret(jaxpr, [], xs, mode), prevent_cse=p["prevent_cse"], policy=p["policy"])
+    fn = jax.checkpoint(lambda *xs: interpret(jaxpr, [], xs, mode, arg_names=names), prevent_cse=p["prevent_cse"],
+                        policy=p["policy"])
     return list(fn(*vals))
 
 
@@ -459,7 +501,7 @@ def _shard_map_rule(eqn, vals, mode: Mode, bounds=None) -> list:
     return list(fn(*vals))
 
 
-def _custom_jvp_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+def _custom_jvp_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     """custom_jvp: primal interpreted under `mode`, JVP by the user's rule on the original dtypes.
 
     Autocast: the rule is `jax.jvp` of the original primitive (original params) on primals and tangents cast to the
@@ -467,7 +509,7 @@ def _custom_jvp_rule(eqn, vals, mode: Mode, bounds=None) -> list:
     to a jaxpr at the original dtypes and interpreted in float32.
     """
     call = eqn.params["call_jaxpr"]
-    primal = _closed_fn(call, mode)
+    primal = _closed_fn(call, mode, names)
     in_avals = [v.aval for v in eqn.invars]
 
     def primal_fn(*xs):
@@ -522,3 +564,6 @@ HIGHER_ORDER_RULES: dict[str, Callable[[Any, list, Mode], list]] = {
     jex_core.primitives.custom_vjp_call_p.name: rules.original_rule,
     "shard_map": _shard_map_rule,
 }
+
+# The higher-order rules that carry their operands' param paths (`names=`) into their bodies.
+_NAMED_RULES = frozenset({_jit_rule, _closed_call_rule, _scan_rule, _remat_rule, _custom_jvp_rule})

@@ -141,8 +141,9 @@ def _dot(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], op_a: O
 FP8_SCOPE = "jaxamp_fp8"
 
 # The matmuls `jaxamp.autocast(..., fp8=...)` keeps in the compute dtype by default (regular expressions searched in
-# each name on a matmul's name stack and of the functions on its call stack): the output head (lm1b's "logitdense",
-# GPT-2's "lm_head", jaxamp.layers.attend's "head" scope, a method such as `GPT.head` or `GPT.logits`, the
+# each name on a matmul's name stack, its weight's module and param paths, and the functions on its call stack): the
+# output head (lm1b's "logitdense", GPT-2's "lm_head", jaxamp.layers.attend's "head" scope, an NNX or Equinox
+# model's untied `head` / `lm_head` by its param path, a method such as `GPT.head` or `GPT.logits`, the
 # tied-embedding head `Embed.attend` of linen and NNX, Gemma's, and a head class's call, ESM2's
 # `LogitHead.__call__`), which Transformer Engine's recipes also leave in bf16. Anchored to whole names (or a method's
 # name after its class's): a substring "head" would also match Equinox's "eqx.nn.MultiheadAttention" and a linen

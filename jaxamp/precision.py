@@ -327,7 +327,9 @@ def policy_name(policy: jmp.Policy, *, rules: bool = True) -> str:
         spec = next((n for n, r in FP8_RECIPE_SPECS.items() if r == recipe), None)
         name = spec if base == PRESETS["bf16"] and spec else f"{name};autocast;fp8={recipe}"
         exclude = tuple(getattr(policy, "fp8_exclude", FP8_EXCLUDE))
-        if exclude != FP8_EXCLUDE:
+        if exclude[:len(FP8_EXCLUDE)] == FP8_EXCLUDE and exclude != FP8_EXCLUDE:  # the defaults and more
+            name = f"{name};fp8_exclude+={','.join(exclude[len(FP8_EXCLUDE):])}"
+        elif exclude != FP8_EXCLUDE:
             name = f"{name};fp8_exclude={','.join(exclude)}"
     elif uses_autocast(policy):
         name = f"{name};autocast"

@@ -135,8 +135,29 @@ def test_the_warning_under_autocast_points_at_the_codes_own_float32_not_at_autoc
         jax.jit(train_step, static_argnames="loss_fn")(state, batch, float32_loss)
     found = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
     assert len(found) == 1 and "only 0.0% of its matmul FLOPs" in found[0], found
-    assert "under autocast, a float32 matmul is one the code asks for" in found[0]
+    assert "under autocast, a float32 matmul is one the code keeps so" in found[0]
     assert "get_policy(..., autocast=True)" not in found[0]
+
+
+def test_a_half_sum_under_autocast_is_blamed_on_the_models_own_cast():
+    """A model that fixes its own dtype (HF's `dtype=jnp.bfloat16`) casts its table: its lookup gradient sums in
+    bf16 even under autocast. The warning says so instead of advising autocast."""
+
+    def own_dtype_loss(params, ids, rng):
+        h = params["table"].astype(jnp.bfloat16)[ids]  # bf16[4096, 8]: the cast is written, autocast keeps it
+        return jnp.mean(jnp.square(h @ params["w"].astype(jnp.bfloat16)))
+
+    params = {"table": jnp.ones((16, 8)), "w": jnp.ones((8, 4))}
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16;autocast", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(train_step, static_argnames="loss_fn")(state, jnp.zeros((4096,), jnp.int32), own_dtype_loss)
+    found = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+    assert len(found) == 1 and "4,096 values in bfloat16 at test_audit.py:" in found[0], found
+    assert found[0].endswith("a half-precision sum comes from the model's own casts (a dtype=jnp.bfloat16 or "
+                             "float16 in a Flax or Hugging Face config): build the model in float32 and let autocast "
+                             "choose")
 
 
 def test_no_audit_and_no_warning_in_float32():
@@ -172,6 +193,11 @@ def test_flops_of_matmuls_and_convolutions_and_scan_trip_counts():
     assert forward["[8, 32] x [32, 32]"] == 3 * 2 * 8 * 32 * 32
     assert forward["[8, 32, 1, 1] x [4, 32, 1, 1]"] == 2 * (8 * 4) * 32
     assert report.half_fraction == 1.0
+    # The transposed scan's body matmuls are backward ones (their own name stacks say nothing of it): the forward
+    # has one row per matmul written, the backward the wgrads (w, v, k) and the dgrads of v and the conv.
+    assert sum(r["pass"] == "forward" for r in report.rows) == 3
+    scanned = [r["pass"] for r in report.rows if r["flops"] == 3 * 2 * 8 * 32 * 32]
+    assert scanned == ["forward", "backward", "backward"], scanned
 
 
 def test_fidelity_report_marks_near_zero_leaves_and_keeps_them_out_of_the_worst():

@@ -69,6 +69,8 @@ def test_recipe_specs_are_autocast_policies_that_round_trip(spec, recipe):
     assert get_policy(spec, autocast=True) == policy
     custom = get_policy(f"{spec};fp8_exclude=head,up")
     assert custom.fp8_exclude == ("head", "up") and get_policy(policy_name(custom)) == custom
+    added = get_policy(f"{spec};fp8_exclude+=^blocks\\.0$")  # named by what was added, not the whole list
+    assert policy_name(added) == f"{spec};fp8_exclude+=^blocks\\.0$" and get_policy(policy_name(added)) == added
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -131,10 +133,11 @@ def test_the_default_exclusions_match_whole_head_names_and_the_audit_says_which_
                     "Named/lm_head": ("bfloat16", r"(^|\.)(lm_)?head$")}
     assert report.fp8_exclude == FP8_EXCLUDE and report.fp8_unused_exclusions == FP8_EXCLUDE[1:]
     assert report.fp8_unused_added == ()  # the defaults need not match: no complaint
-    assert report.summary().endswith("; 1 weight matmul kept out of FP8 by fp8_exclude")  # defaults: no complaint
+    assert report.summary().endswith("; 1 weight matmul kept out of FP8 by fp8_exclude (lm_head)")
     report, rows = forward("fp8-current;fp8_exclude=^(lm_)?head$,^block_0$,^blokc_1$")
     assert rows["Named/block_0"] == ("bfloat16", "^block_0$") and rows["Named/multihead_proj"] == fp8
-    assert report.summary().endswith("; 2 weight matmuls kept out of FP8 by fp8_exclude; fp8_exclude patterns that "
+    assert report.summary().endswith("; 2 weight matmuls kept out of FP8 by fp8_exclude (block_0, "
+                                     "lm_head); fp8_exclude patterns that "
                                      "match no matmul: ^blokc_1$")
     report, rows = forward("fp8-current;fp8_exclude+=^block_[0-9]{1,2}$")  # added to the defaults; its comma kept
     assert rows["Named/block_0"] == ("bfloat16", "^block_[0-9]{1,2}$") and rows["Named/lm_head"][0] == "bfloat16"
@@ -142,8 +145,8 @@ def test_the_default_exclusions_match_whole_head_names_and_the_audit_says_which_
     report, rows = forward("fp8-current;fp8_exclude=^(lm_)?haed$")  # a typo replacing the defaults
     assert rows["Named/lm_head"] == fp8 and report.fp8_unused_added == ("^(lm_)?haed$",)
     assert report.summary().endswith("; fp8_exclude kept no matmul out of FP8 (an output head without a usual name "
-                                     "runs in FP8: wrap it in jax.named_scope('head')); fp8_exclude patterns that "
-                                     "match no matmul: ^(lm_)?haed$")
+                                     "runs in FP8: name it in fp8_exclude or wrap it in jax.named_scope('head')); "
+                                     "fp8_exclude patterns that match no matmul: ^(lm_)?haed$")
     report, rows = forward("bf16;autocast")  # no FP8 recipe: no exclusions to report
     assert report.fp8_exclude == () and all(excluded == "absent" for _, excluded in rows.values())
 
@@ -185,6 +188,95 @@ def test_nnx_layers_are_excluded_by_the_methods_that_call_them_and_a_tied_head_b
     # (Python's qualified name of a class defined in this test: "test_....<locals>.Block.__call__")
     assert forward(r"fp8-current;fp8_exclude=\.Block\.__call__$") == [
         ("bfloat16", r"\.Block\.__call__$"), ("bfloat16", r"\.Block\.__call__$"), fp8]
+
+
+def test_untied_nnx_and_equinox_heads_are_excluded_by_their_param_paths():
+    """An untied head called from the model's own `__call__` has no name on the name stack or the call stack
+    (`Linear.__call__ < GPT.__call__`): its weight's param path (`head.kernel`, `lm_head.weight`) names it, in the
+    forward and in the backward matmuls JAX derives from it."""
+    from flax import nnx
+
+    import jaxamp.nnx as jnnx
+
+    eqx = pytest.importorskip("equinox")
+    ids = jax.random.randint(jax.random.key(3), (4, 9), 0, 16)
+
+    class GPT(nnx.Module):
+        def __init__(self, rngs):
+            self.embed, self.mlp = nnx.Embed(16, 32, rngs=rngs), nnx.Linear(32, 32, rngs=rngs)
+            self.head = nnx.Linear(32, 16, rngs=rngs)
+
+        def __call__(self, ids):
+            return self.head(nnx.gelu(self.mlp(self.embed(ids))))  # f32[batch, seq, vocab]
+
+    def nnx_loss(model, ids):
+        return optax.softmax_cross_entropy_with_integer_labels(model(ids[:, :-1]), ids[:, 1:]).mean()
+
+    model = GPT(nnx.Rngs(0))
+    opt = jnnx.Optimizer(model, optax.sgd(0.1), policy="fp8-current", loss_scale=NoOpLossScale())
+    report = jnnx.precision_audit(model, opt, ids, nnx_loss)
+    table = str(report).splitlines()
+    assert table[2].endswith("FLOPs  weight       kept out of FP8 by")  # the terminal table: the head's rows
+    assert sum(line.endswith(r"(^|\.)(lm_)?head$") for line in table) == 2  # forward; backward x2
+    rows = report.rows
+    assert [(r["pass"], r["weight"], r["lhs"][:5], r["fp8_excluded_by"]) for r in rows] == [
+        ("forward", "mlp.kernel", "float", None), ("forward", "head.kernel", "bfloa", r"(^|\.)(lm_)?head$"),
+        ("backward", "head.kernel", "bfloa", r"(^|\.)(lm_)?head$"),
+        ("backward", "head.kernel", "bfloa", r"(^|\.)(lm_)?head$"),
+        ("backward", "mlp.kernel", "float", None), ("backward", "mlp.kernel", "float", None)]
+
+    opt = jnnx.Optimizer(model, optax.sgd(0.1), policy="fp8-current;fp8_exclude+=^haed$", loss_scale=NoOpLossScale())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jnnx.train_step(model, opt, ids, nnx_loss)
+    found = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+    assert len(found) == 1 and "match no matmul" in found[0] and "jaxamp.nnx.precision_audit(...)" in found[0]
+
+    class EqxGPT(eqx.Module):
+        mlp: eqx.nn.Linear
+        lm_head: eqx.nn.Linear
+
+        def __call__(self, x):  # f32[width] -> f32[vocab]
+            return self.lm_head(jax.nn.gelu(self.mlp(x)))
+
+    net = EqxGPT(eqx.nn.Linear(32, 32, key=jax.random.key(0)), eqx.nn.Linear(32, 16, key=jax.random.key(1)))
+    params, static = eqx.partition(net, eqx.is_inexact_array)
+
+    def eqx_loss(p, batch, rng):
+        logits = jax.vmap(eqx.combine(p, static))(batch["x"][:, :32])  # f32[batch, vocab]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="fp8-current", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(2))
+    forward = [r for r in precision_audit(state, make_batch(0), eqx_loss).rows if r["pass"] == "forward"]
+    assert [(r["weight"], r["lhs"], r["fp8_excluded_by"]) for r in forward] == [
+        ("mlp.weight", "float8_e4m3fn", None), ("lm_head.weight", "bfloat16", r"(^|\.)(lm_)?head$")]
+
+
+def test_param_paths_reach_matmuls_through_nested_jit_scan_and_remat_and_patterns_match_them():
+    """`fp8_exclude` patterns match a weight's module path and param path: a scanned stack of layers
+    (`layers.kernel`, sliced per step) and a remat'd, jitted block's weight (`block.w`)."""
+
+    def f(p, x):  # f32[batch, 64]
+        x = jax.checkpoint(jax.jit(lambda w, h: jax.nn.gelu(h @ w)))(p["block"]["w"], x)
+        x, _ = jax.lax.scan(lambda h, w: (jax.nn.gelu(h @ w), None), x, p["layers"]["kernel"])  # 3 layers
+        return (x @ p["out"].T).sum()
+
+    p = {"block": {"w": jnp.ones((64, 64))}, "layers": {"kernel": jnp.ones((3, 64, 64)) / 64},
+         "out": jnp.ones((32, 64))}
+    x = jnp.ones((32, 64))
+    from jaxamp import autocast
+    from jaxamp.audit import audit_jaxpr
+
+    def rows(exclude):
+        fn = autocast(f, jnp.bfloat16, fp8="current", fp8_exclude=exclude)
+        report = audit_jaxpr(jax.make_jaxpr(jax.grad(fn))(p, x), policy="test", compute_dtype=jnp.bfloat16,
+                             fp8_exclude=exclude)
+        return [(r["weight"], r["lhs"][:5], r["fp8_excluded_by"]) for r in report.rows if r["pass"] == "forward"]
+
+    assert rows(()) == [("block.w", "float", None), ("layers.kernel", "float", None), ("out", "float", None)]
+    assert rows((r"^block$", r"^layers\.kernel$")) == [
+        ("block.w", "bfloa", "^block$"), ("layers.kernel", "bfloa", r"^layers\.kernel$"), ("out", "float", None)]
 
 
 def test_an_exclusion_that_matches_nothing_warns_once_per_compilation_and_rows_name_their_callers():
@@ -238,8 +330,11 @@ def test_equinox_attention_is_not_excluded_by_the_default_head_pattern():
     assert len(attention) == 4 and all(r["lhs"] == "float8_e4m3fn" for r in attention)  # q, k, v and out in FP8
     assert [r["fp8_excluded_by"] for r in forward if "eqx.nn.Linear" in r["scope"] and "Multihead" not in r[
         "scope"]] == [r"(^|\.)(lm_)?head$", r"(^|\.)(lm_)?head$"]  # both heads, first by the scope
-    assert precision_audit(state.replace(policy=get_policy(r"fp8-current;fp8_exclude=Head\.__call__$")),
-                           make_batch(0), eqx_loss).summary().endswith("1 weight matmul kept out of FP8 by fp8_exclude")
+    summary = precision_audit(state.replace(policy=get_policy(r"fp8-current;fp8_exclude=Head\.__call__$")),
+                              make_batch(0), eqx_loss).summary()
+    assert summary.endswith("1 weight matmul kept out of FP8 by fp8_exclude "
+                            "(test_equinox_attention_is_not_excluded_by_the_default_head_pattern.<locals>."
+                            "ClassifierHead.__call__)"), summary
 
 
 def test_a_power_of_2_loss_scale_leaves_fp8_current_training_bitwise_unchanged():
