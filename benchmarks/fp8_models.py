@@ -34,10 +34,11 @@ RECIPES = ("fp8-current", "fp8-block")
 
 
 def audit_row(report) -> dict:
-    """The audit's shares, the excluded scopes and the other bf16 weight matmuls (forward pass)."""
+    """The audit's shares, the excluded weights (with the name that kept each out) and the other bf16 weight
+    matmuls (forward pass)."""
     forward = [r for r in report.rows if r["pass"] == "forward"]
-    excluded = sorted({f"{r['scope'] or r['source']} ({r['fp8_excluded_by']})".replace("|", "\\|") for r in forward
-                       if r.get("fp8_excluded_by")})  # (NNX: no scope, the source line; a regex's | escaped)
+    excluded = sorted({f"{r['weight'] or r['scope'] or r['source']} ({r['fp8_excluded_name']})" for r in forward
+                       if r.get("fp8_excluded_by")})  # the weight, and the name a default pattern matched
     others = sorted({r["scope"] or r["source"] for r in forward if r["primitive"] == "dot_general"
                      and not r["lhs"].startswith("float8") and not r.get("fp8_excluded_by")
                      and "," not in (r["scope"] or "").rsplit("/", 1)[-1]})  # (an einsum's spec: batched)
@@ -65,8 +66,9 @@ def report(rows: dict, steps: int, argv) -> str:
         f"- command: `{harness.command_line(__file__, argv)}`",
         f"- date: {harness.now()}; machine: {harness.machine()}",
         f"- shares: of the matmul FLOPs, forward and backward (the precision audit); loss gap: mean over {steps} "
-        "steps of |loss - bf16 autocast's loss|, over bf16's mean loss; excluded: the matmuls the default "
-        "`fp8_exclude` (the head's usual whole names) kept in bf16",
+        "steps of |loss - bf16 autocast's loss|, over bf16's mean loss; excluded: the weights of the matmuls the "
+        "default `fp8_exclude` (the head's usual whole names) kept in bf16, each with the name a pattern matched "
+        "(a tied head's weight is the embedding table)",
         "",
         *harness.table(["model", "kind", "policy", "half precision", "FP8", "excluded by default",
                         "other bf16 weight matmuls", f"loss gap to bf16 ({steps} steps)"]),

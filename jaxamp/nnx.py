@@ -54,7 +54,7 @@ from jaxamp.loss_scale import LossScale
 from jaxamp.nnx_fp8 import FP8_FILTER as _FP8
 from jaxamp.nnx_fp8 import Fp8DotGeneral, Fp8Einsum, Fp8Meta, Fp8Op
 from jaxamp.state import TrainState
-from jaxamp.step import check_options, train_step_with_carry
+from jaxamp.step import check_loss_args, check_options, train_step_with_carry
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "Fp8Meta", "Optimizer", "eval_step", "fidelity_report", "fp8_ranges",
            "grad_fidelity", "precision_audit", "train_step"]
@@ -100,6 +100,7 @@ def _check_call(model, opt, loss_fn) -> None:
                          f"{type(opt).__name__}")
     if not callable(loss_fn):
         raise ValueError(f"loss_fn must be a function loss_fn(model, batch), got {type(loss_fn).__name__}")
+    check_loss_args(loss_fn, ("model", "batch"), "jaxamp.nnx")
 
 
 class Optimizer(nnx.Pytree):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -203,7 +204,8 @@ def train_step_with_carry(state: TrainState, batch: PyTree, loss_fn: Callable, c
       ValueError: as `train_step`.
     """
     check_options(loss_fn, accum_steps, max_retries=max_retries, on_overflow=on_overflow,
-                  underflow_stats=underflow_stats, axis_name=axis_name)
+                  underflow_stats=underflow_stats, axis_name=axis_name,
+                  loss_args=("params", "batch", "rng") + (() if carry is None else ("model_state",)))
     rng = jax.random.fold_in(state.rng, state.step)
     # Steps 1-5, traced once: the precision audit reads the very program that runs (a warning per compilation).
     first, program = traced_gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, underflow_stats,
@@ -257,16 +259,20 @@ def _update(state: TrainState, g, grads_finite: jax.Array) -> tuple[PyTree, PyTr
 
 
 def check_options(loss_fn, accum_steps: int, *, max_retries: int = 0, on_overflow: str = "skip",
-                  underflow_stats: bool = False, axis_name: Any = None, caller: str = "train_step") -> None:
+                  underflow_stats: bool = False, axis_name: Any = None, caller: str = "train_step",
+                  loss_args: tuple[str, ...] = ()) -> None:
     """`train_step`'s checks of its static arguments, shared with `jaxamp.fidelity` (`caller` names the function
-    in the messages).
+    in the messages; `loss_args`, the names of the positional arguments `loss_fn` is called with, if given).
 
     Raises:
       ValueError: in one line, naming the argument and the fix.
+      TypeError: `loss_fn` cannot take `loss_args` (see `check_loss_args`).
     """
     if not callable(loss_fn):
         raise ValueError(f"loss_fn must be a function loss_fn(params, batch, rng) -> loss | (loss, aux), got "
                          f"{type(loss_fn).__name__}")
+    if loss_args:
+        check_loss_args(loss_fn, loss_args, caller)
     donate = ", donate_argnums=0" if caller == "train_step" else ""
     for name, value in (("accum_steps", accum_steps), ("max_retries", max_retries),
                         ("underflow_stats", underflow_stats)):
@@ -287,6 +293,26 @@ def check_options(loss_fn, accum_steps: int, *, max_retries: int = 0, on_overflo
     except TypeError:
         raise ValueError(f"axis_name must be the name of a mapped axis (a string, e.g. 'batch' of "
                          f"jax.pmap(..., axis_name='batch')) or None, got {type(axis_name).__name__}") from None
+
+
+def check_loss_args(loss_fn, loss_args: tuple[str, ...], caller: str) -> None:
+    """A TypeError, before any tracing, when `loss_fn` cannot be called with `len(loss_args)` positional arguments
+    (`("params", "batch", "rng")`: a `loss_fn(params, batch)` without the rng); the message names the call and
+    the fix. Functions whose signature Python cannot read pass."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*loss_args)
+    except TypeError as err:
+        call = f"loss_fn({', '.join(loss_args)})"
+        fix = {"rng": "; take the rng even if it goes unused (def loss_fn(params, batch, rng=None)): eval_step "
+                      "passes rng=None",
+               "model_state": "; with model_state= it also takes the model state and returns (loss, "
+                              "new_model_state)"}.get(loss_args[-1], "")
+        raise TypeError(f"{caller} calls {call}, but {getattr(loss_fn, '__name__', 'loss_fn')}{signature} cannot "
+                        f"take it ({err}){fix}") from None
 
 
 def eval_step(state: TrainState, batch: PyTree, loss_fn: LossFn) -> dict:

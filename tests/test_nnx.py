@@ -365,6 +365,8 @@ def test_bad_inputs_get_one_line_errors_that_name_the_fix():
             train_step(model, nnx.Optimizer(model, adam(), wrt=nnx.Param), make_batch(0), loss_fn)
     with pytest.raises(ValueError, match="do not match this Optimizer"):
         train_step(NnxMLP(nnx.Rngs(0)), opt, make_batch(0), nnx_loss)
+    with pytest.raises(TypeError, match=r"jaxamp.nnx calls loss_fn\(model, batch\), but .*cannot take it"):
+        train_step(model, opt, make_batch(0), lambda model, batch, rng: nnx_loss(model, batch))
     class Stack(nnx.Module):
         def __init__(self, rngs):
             self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(2)])

@@ -456,6 +456,10 @@ def test_bad_loss_dtype_and_step_arguments():
             train_step(state, make_batch(0), mlp_loss, accum_steps=bad)
     with pytest.raises(ValueError, match=r"same leading size; got batch\['poison'\]: \(\)"):
         train_step(state, make_batch(0), mlp_loss, accum_steps=2)  # a scalar leaf next to [32, ...] rows
+    with pytest.raises(TypeError, match=r"train_step calls loss_fn\(params, batch, rng\), but <lambda>\(p, b\) "
+                                        r"cannot take it .*def loss_fn\(params, batch, rng=None\)"):
+        step(state, make_batch(0), lambda p, b: mlp_loss(p, b, None))  # no rng: one line, before tracing
+    step(state, make_batch(0), lambda *a: mlp_loss(*a))  # what Python cannot rule out passes
     jitted = jax.jit(train_step, static_argnames="loss_fn")  # options passed but not named static
     for option in ({"accum_steps": 2}, {"underflow_stats": True}, {"max_retries": 2}):
         name = next(iter(option))
