@@ -119,15 +119,17 @@ def _fp8_formats(eqn) -> tuple[str, str] | None:
 
 
 def _names(eqn) -> list[str]:
-    """The names on a matmul's name stack (Flax modules, Equinox classes, `jax.named_scope`s, autocast's
-    `WEIGHT_SCOPE`), outermost first, without autodiff's `jvp` / `transpose` and jaxamp's FP8 scope."""
+    """The names on an equation's own name stack (Flax modules, Equinox classes, `jax.named_scope`s, autocast's
+    `WEIGHT_SCOPE`), outermost first, without autodiff's `jvp` / `transpose` and jaxamp's FP8 scope. Inside a
+    sub-program (a jit, custom_vjp or scan body) they are relative to the equation that calls it: `_Walk` prefixes
+    the caller's."""
     names = [str(getattr(entry, "name", entry)) for entry in getattr(eqn.source_info.name_stack, "stack", ())]
     return [n for n in names if n not in ("jvp", "transpose") and not n.startswith(FP8_SCOPE + ":")]
 
 
-def _scope(eqn) -> list[str]:
-    """`_names` without autocast's `WEIGHT_SCOPE` (the row's `weight`)."""
-    return [n for n in _names(eqn) if not weight_path([n])]
+def _scope(names: list[str]) -> list[str]:
+    """`names` without autocast's `WEIGHT_SCOPE` (the row's `weight`)."""
+    return [n for n in names if not weight_path([n])]
 
 
 def _callers(eqn) -> str:
@@ -191,10 +193,12 @@ class _Walk:
 
     rows: list = dataclasses.field(default_factory=list)
     eqns: list = dataclasses.field(default_factory=list)  # per row: its equation
+    names: list = dataclasses.field(default_factory=list)  # per row: its whole name stack (`_names`, prefixed)
     sums: list = dataclasses.field(default_factory=list)
     producer: dict = dataclasses.field(default_factory=dict)
     first_fallback: Any = None
     backward: bool = False  # visiting the body of a backward (transposed) scan, while or call
+    prefix: tuple = ()  # the names of the equations whose sub-programs are being visited
 
     def visit(self, jaxpr, trips: int, compute_half: bool) -> None:
         for eqn in jaxpr.eqns:
@@ -212,20 +216,24 @@ class _Walk:
                             self.producer.setdefault(("alias", id(outer)), inner)
                     for outer, inner in zip(eqn.invars[len(eqn.invars) - len(sub.invars):], sub.invars):
                         self.producer.setdefault(("input", id(inner)), outer)
-                outer, self.backward = self.backward, _pass(eqn, self.backward) == "backward"
+                outer = self.backward, self.prefix
+                self.backward = _pass(eqn, self.backward) == "backward"
+                self.prefix = (*self.prefix, *_names(eqn))
                 self.visit(sub, trips * inner_trips, compute_half)
-                self.backward = outer
+                self.backward, self.prefix = outer
 
     def _matmul(self, eqn, trips, compute_half) -> None:
         lhs, rhs = _fp8_formats(eqn) or (_dtype(eqn.invars[0]), _dtype(eqn.invars[1]))
         source, library = _where(eqn)
+        names = [*self.prefix, *_names(eqn)]
         row = {"source": source, "library": library, "primitive": eqn.primitive.name, "lhs": lhs, "rhs": rhs,
                "out": _dtype(eqn.outvars[0]), "flops": _matmul_flops(eqn) * trips,
                "pass": _pass(eqn, self.backward),
                "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}",
-               "scope": "/".join(_scope(eqn)), "callers": _callers(eqn), "weight": weight_path(_names(eqn))}
+               "scope": "/".join(_scope(names)), "callers": _callers(eqn), "weight": weight_path(names)}
         self.rows.append(row)
         self.eqns.append(eqn)
+        self.names.append(names)
         if compute_half and not (_is_half(lhs) and _is_half(rhs)):
             if self.first_fallback is None:
                 self.first_fallback = (row, eqn)
@@ -457,10 +465,10 @@ def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
     first pattern found in a name of its scope, weight or call stack (as `autocast_rules.fp8_applies` decides) and
     that name, else None."""
     patterns = [(p, re.compile(p)) for p in fp8_exclude]
-    for row, eqn in zip(walk.rows, walk.eqns):
+    for row, eqn, scopes in zip(walk.rows, walk.eqns, walk.names):
         # What an FP8 recipe would take (autocast_rules.fp8_applies): a dot_general without batch dims.
         weight = eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][1][0]
-        names = exclusion_names(eqn, _names(eqn))
+        names = exclusion_names(eqn, scopes)
         kept_out = weight and _is_half(row["lhs"]) and not row["lhs"].startswith("float8")
         match = next(((p, n) for p, rx in patterns for n in names if rx.search(n)), (None, None)) if kept_out \
             else (None, None)

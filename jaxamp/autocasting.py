@@ -304,11 +304,14 @@ def _param_path(path) -> str | None:
     """A param leaf's path inside the params, dotted: a leaf of the first positional argument (the params, as in
     `loss_fn(params, batch)`, `model.apply(variables, x)`, `lambda model, x: model(x)`) or of a `PARAM_KWARGS`
     keyword argument: `"decoder.logitdense.kernel"`, `"params.decoder.logitdense.kernel"` for a linen variables
-    dict, `"lm_head.weight"` for an Equinox model; None for other arguments (the batch) and a bare array."""
+    dict, `"lm_head.weight"` for an Equinox model, `"head.kernel"` for an NNX model passed whole (its variables'
+    `.value` dropped); None for other arguments (the batch) and a bare array."""
     where, keys = path[0].idx, list(path[1:])  # (args, kwargs)
     if not keys or (where == 0 and keys[0].idx != 0) or (where == 1 and keys[0].key not in PARAM_KWARGS):
         return None
     parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in keys[1:]]
+    if parts[-1:] == ["value"] and isinstance(keys[-1], jax.tree_util.GetAttrKey):  # an nnx.Variable's array
+        parts = parts[:-1]
     return ".".join(parts) or None
 
 

@@ -279,6 +279,29 @@ def test_param_paths_reach_matmuls_through_nested_jit_scan_and_remat_and_pattern
         ("block.w", "bfloa", "^block$"), ("layers.kernel", "bfloa", r"^layers\.kernel$"), ("out", "float", None)]
 
 
+def test_an_nnx_model_passed_whole_is_named_by_its_variables_and_a_forward_only_audit_sees_the_names():
+    """`autocast(lambda model, x: ...)(model, x)`: the pytree paths of an NNX model end in `.value`, which the
+    names drop; without grad the FP8 matmul sits inside a custom_vjp's program, whose name stack is relative to its
+    caller's (the audit prefixes it)."""
+    from flax import nnx
+
+    from jaxamp import autocast
+    from jaxamp.audit import audit_jaxpr
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.up, self.head = nnx.Linear(32, 32, rngs=rngs), nnx.Linear(32, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(nnx.gelu(self.up(x)))
+
+    forward = autocast(lambda model, x: model(x).sum(), jnp.bfloat16, fp8="current")
+    closed = jax.make_jaxpr(forward)(Net(nnx.Rngs(0)), jnp.ones((32, 32)))
+    report = audit_jaxpr(closed, policy="fp8-current", compute_dtype=jnp.bfloat16, fp8_exclude=FP8_EXCLUDE)
+    assert [(r["weight"], r["lhs"], r["fp8_excluded_by"]) for r in report.rows] == [
+        ("up.kernel", "float8_e4m3fn", None), ("head.kernel", "bfloat16", r"(^|\.)(lm_)?head$")]
+
+
 def test_an_exclusion_that_matches_nothing_warns_once_per_compilation_and_rows_name_their_callers():
     net = Named()
     params = net.init(jax.random.key(0), jnp.ones((2, 32)))["params"]
