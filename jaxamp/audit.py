@@ -46,7 +46,9 @@ PyTree = Any
 __all__ = ["ABSORB_LIMIT", "PrecisionReport", "PrecisionWarning", "audit_jaxpr", "precision_audit",
            "warn_if_degraded"]
 
-_MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+# `scaled_matmul_wrapper`: `jax.nn.scaled_dot_general`'s block-scaled GEMM (`fp8[b, m, k] . fp8[b, n, k]` with e8m0
+# scales), which the mxfp8 recipe calls on Blackwell GPUs.
+_MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general", "scaled_matmul_wrapper", "scaled_matmul")
 _SUMS = ("reduce_sum", "cumsum", "cumlogsumexp", "cumprod", "reduce_prod")
 _SCATTER_ADDS = ("scatter-add", "scatter_add")
 # Contributions a running sum in the format absorbs before the next ones round away (about 2^mantissa bits).
@@ -160,7 +162,7 @@ def _matmul_flops(eqn) -> int:
         rhs = eqn.invars[1].aval
         out_feature = eqn.params["dimension_numbers"].rhs_spec[0]
         return 2 * math.prod(out.shape) * (math.prod(rhs.shape) // rhs.shape[out_feature])
-    return 2 * math.prod(out.shape) * eqn.invars[0].aval.shape[-1]
+    return 2 * math.prod(out.shape) * eqn.invars[0].aval.shape[-1]  # ragged_dot, scaled_matmul: lhs [.., k]
 
 
 def _summed(eqn) -> int:

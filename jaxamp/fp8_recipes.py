@@ -30,9 +30,9 @@ output is bf16/f16/f32. `current` is written to that pattern (operands reshaped 
 scales, `preferred_element_type=float32`): its forward (e4m3 x e4m3), dgrad and wgrad (e5m2 x e4m3) each present it,
 so a Hopper can run them as FP8 GEMMs as it does Flax's delayed-scaling ops (the tests check the pattern in the
 jaxpr; that the rewrite fires is for a GPU run to confirm). `block` and `mxfp8` scales are per tile, which that
-rewrite refuses: on a GPU they run as float32 GEMMs on dequantized operands, numerics only, until a kernel is used
-(block-scaled GEMMs such as DeepGEMM's on Hopper; Blackwell's MXFP8/NVFP4 tensor cores, which
-`jax.nn.scaled_dot_general` reaches through cuDNN).
+rewrite refuses: `block` runs as float32 GEMMs on dequantized operands, numerics only, until a block-scaled kernel
+is used (DeepGEMM's on Hopper). `mxfp8` calls `jax.nn.scaled_dot_general` on a Blackwell GPU (`mx_kernel`), whose
+MXFP8 tensor cores it reaches through cuDNN, and runs as numerics elsewhere.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -49,8 +50,8 @@ from jax import lax
 from jaxamp import fp8_quant
 from jaxamp.fp8_quant import E4M3, E5M2, MX_TILE, ROW_TILE, WEIGHT_TILE, check_mxfp8_dim, dequantize
 
-__all__ = ["FP8_EXCLUDE", "FP8_SCOPE", "RECIPES", "Operand", "Recipe", "fp8_dot_general", "fp8_scope", "get_recipe",
-           "recipe_dot_general"]
+__all__ = ["FP8_EXCLUDE", "FP8_SCOPE", "MX_KERNEL_ENV", "RECIPES", "Operand", "Recipe", "fp8_dot_general", "fp8_scope",
+           "get_recipe", "mx_kernel", "recipe_dot_general"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,10 +257,65 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision
         check_mxfp8_dim(x.shape[-1], "the contraction size (the product of the contracting dims)")
     out_dtype = jnp.dtype(preferred_element_type if preferred_element_type is not None else compute_dtype)
     precision = tuple(precision) if isinstance(precision, list) else precision
-    out = _fp8_dot(x, w, _Static(r, out_dtype, precision, lhs.dtype, rhs.dtype))  # [b?, m, n]
+    if r.name == "mxfp8" and mx_kernel():  # Blackwell: JAX's own block-scaled GEMM (cuDNN)
+        out = _scaled_dot_general(x, w, out_dtype)
+    else:
+        out = _fp8_dot(x, w, _Static(r, out_dtype, precision, lhs.dtype, rhs.dtype))  # [b?, m, n]
     free = lambda t, batch, contract: [t.shape[d] for d in range(t.ndim) if d not in batch and d not in contract]
     shape = [lhs.shape[d] for d in lb] + free(lhs, lb, lc) + free(rhs, rb, rc)
     return out.reshape(shape)
+
+
+MX_KERNEL_ENV = "JAXAMP_MXFP8_KERNEL"  # "jax": always jax.nn.scaled_dot_general; "numerics": never; unset: auto
+
+
+def mx_kernel() -> bool:
+    """Whether the `mxfp8` recipe runs through `jax.nn.scaled_dot_general` (a block-scaled MXFP8 GEMM through
+    cuDNN) rather than as float32 GEMMs on dequantized operands: on a CUDA GPU of compute capability 10.0 or more
+    (Blackwell), where that kernel exists. The two compute the same FP8 values, scales and gradients (tested on the
+    CPU by lowering JAX's `scaled_matmul` as JAX does on ROCm). `JAXAMP_MXFP8_KERNEL=jax` forces it, `=numerics`
+    keeps the numerics path; read at trace time.
+
+    Raises:
+      ValueError: another value of `JAXAMP_MXFP8_KERNEL`.
+    """
+    choice = os.environ.get(MX_KERNEL_ENV, "")
+    if choice not in ("", "jax", "numerics"):
+        raise ValueError(f"{MX_KERNEL_ENV}={choice!r}: use 'jax' (jax.nn.scaled_dot_general), 'numerics' (float32 "
+                         "GEMMs on dequantized operands) or leave it unset (scaled_dot_general on Blackwell GPUs)")
+    if choice:
+        return choice == "jax"
+    if jax.default_backend() != "gpu":
+        return False
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return capability is not None and float(capability) >= 10.0
+    except ValueError:
+        return False
+
+
+def _scaled_dot_general(x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
+    """`x [b?, m, k] . w [b?, n, k]` over k through `jax.nn.scaled_dot_general`'s mxfp8 config (its own custom
+    VJP: e4m3 in 1x32 blocks along each GEMM's contraction dim, e8m0 scales); cotangents in the operands' dtypes."""
+    config = jax.nn.get_scaled_dot_general_config("mxfp8")
+    batch = (0,) if x.ndim == 3 else ()
+    dims = (((x.ndim - 1,), (w.ndim - 1,)), (batch, batch))
+
+    @jax.custom_vjp
+    def dot(x, w):
+        return jax.nn.scaled_dot_general(x, w, dims, preferred_element_type=out_dtype, configs=[config] * 3)
+
+    def fwd(x, w):
+        out, vjp = jax.vjp(lambda a, b: jax.nn.scaled_dot_general(a, b, dims, preferred_element_type=out_dtype,
+                                                                  configs=[config] * 3), x, w)
+        return out, vjp
+
+    def bwd(vjp, g):
+        dx, dw = vjp(g)
+        return dx.astype(x.dtype), dw.astype(w.dtype)
+
+    dot.defvjp(fwd, bwd)
+    return dot(x, w)
 
 
 def recipe_dot_general(recipe: str | Recipe, *, compute_dtype=jnp.bfloat16,

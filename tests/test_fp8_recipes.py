@@ -396,6 +396,34 @@ def test_mxfp8_equals_jax_scaled_dot_general(scaled_dot_general, lhs_shape, rhs_
         assert jnp.array_equal(s, s_jax.astype(jnp.float32))
 
 
+@pytest.mark.slow
+def test_mxfp8_runs_through_jax_scaled_dot_general_where_it_runs(scaled_dot_general, monkeypatch):
+    """On a Blackwell GPU (forced here by JAXAMP_MXFP8_KERNEL=jax, with the CPU lowering of the fixture) the mxfp8
+    recipe calls `jax.nn.scaled_dot_general`: the same values and gradients as its numerics path, cotangents in the
+    operands' dtypes, and the audit counts its block-scaled GEMMs as FP8 with their FLOPs."""
+    from jaxamp.audit import audit_jaxpr
+
+    assert not fr.mx_kernel()  # auto: not on a CPU
+    x, w = normal(33, (64, 96)), normal(34, (96, 64), 0.1)
+    ours = lambda x, w: fr.fp8_dot_general(x, w, MATMUL, recipe="mxfp8", compute_dtype=jnp.float32)
+    ct = normal(35, (64, 64))
+    numerics = jax.jit(functools.partial(_value_and_grads, ours))(x, w, ct)
+    monkeypatch.setenv(fr.MX_KERNEL_ENV, "jax")
+    assert fr.mx_kernel()
+    kernel = jax.jit(functools.partial(_value_and_grads, ours))(x, w, ct)
+    for a, b in zip(kernel, numerics):
+        assert a.dtype == b.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+    closed = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(ours(x, w) * ct), argnums=(0, 1)))(x, w)
+    report = audit_jaxpr(closed, policy="mxfp8", compute_dtype=jnp.bfloat16)
+    assert [(r["primitive"], r["lhs"], r["rhs"], r["flops"]) for r in report.rows] == [
+        ("scaled_matmul_wrapper", "float8_e4m3fn", "float8_e4m3fn", 2 * 64 * 64 * 96)] * 3
+    assert report.fp8_fraction == 1.0 and [r["pass"] for r in report.rows] == ["forward", "backward", "backward"]
+    monkeypatch.setenv(fr.MX_KERNEL_ENV, "cudnn")
+    with pytest.raises(ValueError, match="JAXAMP_MXFP8_KERNEL='cudnn': use 'jax'"):
+        ours(x, w)
+
+
 # --- bad input ---
 
 def test_bad_input_gives_one_clear_error():

@@ -68,9 +68,14 @@ DATA_DOCS = {
     "RECIPES": "The stateless FP8 recipes by name (``current``, ``block``, ``mxfp8``).",
     "FP8_RECIPE_SPECS": "The policy specs of the stateless FP8 recipes (``fp8-current``, ``fp8-block``, ``mxfp8``) "
                         "and the recipe each names.",
-    "FP8_EXCLUDE": "The default ``fp8_exclude`` of ``autocast``: regular expressions over module names whose "
-                   "matmuls keep the compute dtype (the output head).",
+    "FP8_EXCLUDE": "The default ``fp8_exclude`` of ``autocast``: regular expressions over module names, param "
+                   "paths and function names whose matmuls keep the compute dtype (the output head).",
     "FP8_SCOPE": "The prefix of the name scope around an FP8 matmul, which the precision audit reads.",
+    "MX_KERNEL_ENV": "The environment variable that picks the ``mxfp8`` path: ``jax`` "
+                     "(``jax.nn.scaled_dot_general``), ``numerics``, or unset (``scaled_dot_general`` on Blackwell "
+                     "GPUs); see ``mx_kernel``.",
+    "WEIGHT_SCOPE": "The name-scope prefix autocast puts around a matmul with a param operand "
+                    "(``jaxamp_weight:<path>``), which ``fp8_exclude`` and the precision audit read.",
     "E4M3": "``jnp.float8_e4m3fn``: inputs and weights (largest 448).",
     "E5M2": "``jnp.float8_e5m2``: output gradients of current scaling (largest 57344).",
     "FP8_MAX": "The largest finite value of each FP8 format.",
