@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -416,7 +417,7 @@ def _records(workdir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_scanned_run_trains_as_unrolled_resumes_with_other_remat_and_refuses_unrolled(tmp_path):
+def test_scanned_run_trains_as_unrolled_resumes_with_other_remat_and_refuses_unrolled(tmp_path, capsys):
     """4 steps unrolled against 2 scanned steps + 2 resumed with --remat full: the same losses to float32 rounding
     (remat recomputes the same forward; XLA may fuse it otherwise, so not bitwise). Then resuming that scanned
     checkpoint without --scan-layers is refused in one line naming the flag."""
@@ -428,7 +429,11 @@ def test_scanned_run_trains_as_unrolled_resumes_with_other_remat_and_refuses_unr
     train(TrainConfig(workdir=str(tmp_path / "unrolled"), steps=4, **common))
     scanned = tmp_path / "scanned"
     train(TrainConfig(workdir=str(scanned), steps=2, scan_layers=True, **common))
+    capsys.readouterr()
     train(TrainConfig(workdir=str(scanned), steps=4, scan_layers=True, remat="full", **common))
+    out = capsys.readouterr().out  # the header names the layout; the first step's compile time is printed
+    assert "; blocks scanned; remat full" in out.splitlines()[1] and re.search(r"step 3: traced and compiled in "
+                                                                              r"[0-9.]+ s", out), out
     ref, got = _records(tmp_path / "unrolled"), _records(scanned)
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-6)

@@ -169,6 +169,44 @@ def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
         assert err.startswith("error: ") and "\n" not in err and expected in err, (args, err)
 
 
+def test_out_of_memory_at_build_is_one_line_with_the_bytes_it_needs(tmp_path, capsys, monkeypatch):
+    """XLA's RESOURCE_EXHAUSTED while the weights and Adam state are created (gpt2-xl on a small device) is one
+    line: the parameter count, the bytes per parameter and the fixes; no workdir is written."""
+    import jaxamp.lm.setup as setup
+
+    real, n = setup.init_variables, train_lm_params(TINY)
+
+    def exhausted(model_cfg, key):
+        if not isinstance(key, jax.core.Tracer):  # the real call runs out; eval_shape's count still works
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 40960000 bytes.")
+        return real(model_cfg, key)
+
+    monkeypatch.setattr(setup, "init_variables", exhausted)
+    code = train_lm.main([*TINY, "--precision", "bf16;opt_state=bf16", "--workdir", str(tmp_path / "w")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert err.startswith("error: out of memory creating the model's weights and optimizer state on ") and \
+        f": {n:,} parameters x 8 bytes (float32 master weights and Adam moments) = " in err, err
+    assert err.endswith("or ';opt_state=bf16' (8 bytes per parameter)") and not (tmp_path / "w").exists()
+
+
+def train_lm_params(args) -> int:
+    """The parameter count of the LM `args` build (the default corpus's vocabulary)."""
+    from jaxamp.lm.model import count_params
+
+    run = build(train_lm.parse_args([*args, "--steps", "1"]))
+    return count_params(run.state.params)
+
+
+def test_the_summary_line_says_which_step_a_stale_val_loss_is_from():
+    from jaxamp.lm.log import summary_line
+
+    summary = {"precision": "fp32", "steps": 140, "val_loss": 2.6272, "val_loss_step": 100, "train_loss": 2.5374,
+               "skipped_steps": 0, "final_loss_scale": 1.0, "tokens_per_s": 8000.0, "wall_s": 10.0}
+    assert "val_loss=2.6272 (step 100) train_loss=2.5374" in summary_line(summary)  # stopped between evaluations
+    assert "val_loss=2.6272 train_loss" in summary_line({**summary, "val_loss_step": 140})
+
+
 @pytest.mark.slow
 def test_workdir_that_is_not_a_run_is_refused_untouched(tmp_path, capsys):
     (tmp_path / "thesis.tex").write_text("precious")

@@ -113,6 +113,8 @@ def report_fidelity(bar, records: list[dict]) -> None:
 
 def summary_line(s: dict) -> str:
     val = "n/a" if s["val_loss"] is None else f"{s['val_loss']:.4f}"
+    if s.get("val_loss_step") not in (None, s["steps"]):  # stopped between evaluations: the last one's step
+        val += f" (step {s['val_loss_step']})"
     speed = "n/a" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:.0f}"
     return (f"summary: precision={s['precision']} steps={s['steps']} val_loss={val} "
             f"train_loss={s['train_loss']:.4f} skipped_steps={s['skipped_steps']} "

@@ -33,7 +33,15 @@ from jaxamp.lm.model import (
 from jaxamp.lm.workdir import BPE_DIR
 from jaxamp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from jaxamp.opt_state import optimizer_bytes_per_param
-from jaxamp.precision import auto_precision, get_policy, needs_loss_scaling, policy_name, uses_autocast, uses_fp8
+from jaxamp.precision import (
+    auto_precision,
+    get_policy,
+    needs_loss_scaling,
+    opt_state_dtype,
+    policy_name,
+    uses_autocast,
+    uses_fp8,
+)
 from jaxamp.sharding import (
     format_mesh_spec,
     gather_to_host,
@@ -161,7 +169,8 @@ class Run:
                 "vocab_size": self.dataset.vocab_size}
 
     def header(self) -> str:
-        """The line a run prints when it starts: sizes, data, tokens per step, precision, loss scale, mesh."""
+        """The line a run prints when it starts: sizes, data, tokens per step, precision, loss scale, the blocks'
+        layout (`--scan-layers`, `--remat`), mesh."""
         cfg, n = self.cfg, count_params(split_fp8(self.state.params)[0])
         dtype = jnp.dtype(self.state.policy.param_dtype)
         per_param = optimizer_bytes_per_param(split_fp8(self.state.params)[0], self.state.opt_state)
@@ -172,6 +181,8 @@ class Run:
                 f"{policy_name(self.state.policy, rules=False)}"
                 f"{' (auto: ' + auto_precision()[1] + ')' if cfg.precision.strip().lower() == 'auto' else ''}; "
                 f"loss scale {type(self.state.loss_scale).__name__}"
+                + ("; blocks scanned" if cfg.scan_layers else "")
+                + (f"; remat {cfg.remat}" if cfg.remat != "none" else "")
                 + ("" if self.mesh is None else f"; mesh {format_mesh_spec(self.mesh)} over {jax.device_count()} "
                    f"devices ({jax.process_count()} process(es)), global batch {cfg.batch_size}"))
 
@@ -186,6 +197,30 @@ class Run:
                                accum_steps=self.cfg.accum_steps).summary()
 
 
+def initial_state(cfg: TrainConfig, model_cfg: TransformerConfig, policy) -> TrainState:
+    """The model's initial variables and the `TrainState` on them (seeded by `cfg.seed`).
+
+    Raises:
+      ConfigError: the device ran out of memory (XLA's RESOURCE_EXHAUSTED), in one line giving the parameter count,
+        the bytes the weights and optimizer state need, and what to change.
+    """
+    init_key, state_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
+    try:
+        variables = init_variables(model_cfg, init_key)
+        params = variables if model_cfg.fp8 else variables["params"]  # FP8: scales and histories ride along
+        return TrainState.create(params=params, tx=make_optimizer(cfg, split_fp8(params)[0]), policy=policy,
+                                 loss_scale=make_loss_scale(cfg), rng=state_key)
+    except Exception as err:  # jax's XlaRuntimeError (or a ValueError wrapping it)
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+    n = count_params(jax.eval_shape(lambda key: init_variables(model_cfg, key), init_key)["params"])
+    per_param = 4 + 2 * jnp.dtype(opt_state_dtype(policy) or jnp.float32).itemsize  # weights + Adam's 2 moments
+    raise ConfigError(f"out of memory creating the model's weights and optimizer state on {jax.devices()[0]}: "
+                      f"{n:,} parameters x {per_param} bytes (float32 master weights and Adam moments) = "
+                      f"{n * per_param / 1e9:.1f} GB before activations; use a smaller --model, more devices "
+                      "(--mesh data=N,fsdp=M shards them) or ';opt_state=bf16' (8 bytes per parameter)")
+
+
 def build(cfg: TrainConfig) -> Run:
     """Validates `cfg`, loads the data and builds the model, optimizer, loss scale and initial state."""
     validate(cfg)
@@ -198,11 +233,7 @@ def build(cfg: TrainConfig) -> Run:
     policy = make_policy(cfg.precision)
     model_cfg = model_config(cfg, dataset.vocab_size, fp8=uses_fp8(policy))
     model = TransformerLM(model_cfg)
-    init_key, state_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
-    variables = init_variables(model_cfg, init_key)
-    params = variables if model_cfg.fp8 else variables["params"]  # FP8: scales and histories ride along
-    state = TrainState.create(params=params, tx=make_optimizer(cfg, split_fp8(params)[0]), policy=policy,
-                              loss_scale=make_loss_scale(cfg), rng=state_key)
+    state = initial_state(cfg, model_cfg, policy)
     if mesh is not None:
         state = shard_state(state, mesh)  # every leaf a global array: params/opt_state by the FSDP rule
     loss_fn = make_loss_fn(model)

@@ -57,12 +57,14 @@ def _summary(run: Run, state: TrainState, records: list[dict], wall_s: float) ->
     train_loss = float(np.mean(jax.device_get([run.eval_fn(state, b) for b in train_eval])))
     speeds = [r["tokens_per_s"] for r in records[cfg.log_every:]] or [r["tokens_per_s"] for r in records]
     val = [r["val_loss"] for r in records if "val_loss" in r]
+    val_step = [r["step"] for r in records if "val_loss" in r]
     switches = [{"step": r["step"], "from": r["precision_from"], "to": r["precision"]}
                 for r in records if "precision_from" in r]
     chars = run.dataset.chars_per_token  # nats/char = nats/token / (chars/token)
     return {"precision": policy_name(state.policy, rules=False), "precision_switches": switches,
             "loss_scale_kind": type(state.loss_scale).__name__,
             "steps": int(state.step), "val_loss": val[-1] if val else None,
+            "val_loss_step": val_step[-1] if val else None,
             "val_loss_per_char": val[-1] / chars if val and chars else None, "chars_per_token": chars,
             "vocab_size": run.dataset.vocab_size, "train_loss": train_loss,
             "last_step_loss": records[-1]["loss"] if records else None,
@@ -210,8 +212,13 @@ def _train_loop(run: Run, ckpt: Checkpointer, logger: MetricsLogger, state: Trai
                disable=not is_main_process() or ((not cfg.progress) if cfg.progress is not None else None))
     t_start, stopped_by, done = time.perf_counter(), None, int(state.step)
     guard = DivergenceGuard(cfg.max_consecutive_skips, getattr(state.loss_scale, "min_loss_scale", 1.0))
+    first = True
     while done < cfg.steps and stop.signal is None:
-        state = loop.step(state, done)
+        t_step = time.perf_counter()
+        state = loop.step(state, done)  # the first call traces and compiles the step, then dispatches it
+        if first:
+            bar.write(f"step {done + 1}: traced and compiled in {time.perf_counter() - t_step:.1f} s")
+            first = False
         done += 1
         if done % cfg.log_every == 0:
             stop.sync()  # several processes: agree on a signal (a no-op in one process)
