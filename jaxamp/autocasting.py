@@ -161,9 +161,8 @@ def autocast(fn: F, dtype: Any, *, fp8: Any = None, fp8_exclude: Sequence[str] =
         `"eqx.nn.MultiheadAttention"`), any `jax.named_scope` (`jaxamp.layers.attend`'s `"head"`); the weight's
         param path in `fn`'s first argument or its `params=` / `variables=` keyword and each of its prefixes
         (`"blocks"`, `"blocks.0"`, `"blocks.0.up"`, `"blocks.0.up.kernel"`; an NNX model's untied `"head"`, an
-        Equinox model's `"lm_head"`); methods and
-        functions (`"Embed.attend"`, NNX's `"Linear.__call__"`, a `def head(...)` of the user's). A match keeps
-        `dtype`. Default `FP8_EXCLUDE`: the output head by its usual names, whole (`head`, `lm_head`, `logit`,
+        Equinox model's `"lm_head"`); methods and functions (`"Embed.attend"`, NNX's `"Linear.__call__"`, a
+        `def head(...)` of the user's). A match keeps `dtype`. Default `FP8_EXCLUDE`: the output head by its usual names, whole (`head`, `lm_head`, `logit`,
         `logits`, `logitdense`; `Embed.attend`, the tied-embedding head of linen and NNX; the call of a class whose
         name ends in `Head`, such as `LogitHead.__call__`).
 
@@ -326,8 +325,8 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
     `jax.core.eval_jaxpr` does. `arg_bounds` (optional, per arg) are the largest magnitudes of args known to be
     constants (see `autocast_rules.widest_dtype`); they are tracked through broadcasts and reshapes. `arg_names`
     (optional, per arg) are the param paths of args (see `_param_path`), tracked through casts, reshapes and
-    transposes, into nested jits, scans, remat and custom_jvp bodies; a matmul with a named operand is bound in a
-    `WEIGHT_SCOPE` name scope (rhs first, then lhs).
+    transposes, into nested jits, scan, while and cond bodies, remat and custom_jvp; a matmul with a named operand
+    is bound in a `WEIGHT_SCOPE` name scope (rhs first, then lhs).
 
     Returns:
       The jaxpr's outputs (float32_reference mode: low-precision floating ones widened to float32).
@@ -443,13 +442,15 @@ def _scan_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     return [*carry, *ys]
 
 
-def _while_rule(eqn, vals, mode: Mode, bounds=None) -> list:
-    """while: `lax.while_loop` over interpreted cond and body; carries keep their original dtype."""
+def _while_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
+    """while: `lax.while_loop` over interpreted cond and body; carries keep their original dtype (the body's consts
+    keep their param paths)."""
     p = eqn.params
     cond_j, body_j, n_c, n_b = p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts, init = vals[:n_c], vals[n_c:n_c + n_b], vals[n_c + n_b:]
     targets = [mode.fixed_dtype(a.dtype) for a in body_j.in_avals[n_b:]]
-    cond_fn, body_fn = _closed_fn(cond_j, mode), _closed_fn(body_j, mode)
+    body_names = None if names is None else [*names[n_c:n_c + n_b], *[None] * len(init)]
+    cond_fn, body_fn = _closed_fn(cond_j, mode), _closed_fn(body_j, mode, body_names)
 
     def body(carry):
         return [strong_cast(c, t) for c, t in zip(body_fn(*body_consts, *carry), targets)]
@@ -458,14 +459,15 @@ def _while_rule(eqn, vals, mode: Mode, bounds=None) -> list:
     return list(lax.while_loop(lambda carry: cond_fn(*cond_consts, *carry)[0], body, init))
 
 
-def _cond_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+def _cond_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     """cond: `lax.switch` over interpreted branches; each output cast to the widest dtype the branches give it.
 
     Each branch is interpreted once (to a jaxpr, whose output dtypes decide the casts); the switch re-traces those
     jaxprs, not the interpreter, so nested conds cost one interpretation each.
     """
     index, *ops = vals
-    branches = [jax.make_jaxpr(_closed_fn(branch, mode))(*ops) for branch in eqn.params["branches"]]
+    ops_names = None if names is None else names[1:]
+    branches = [jax.make_jaxpr(_closed_fn(branch, mode, ops_names))(*ops) for branch in eqn.params["branches"]]
     targets = []
     for i, var in enumerate(eqn.outvars):
         dts = [b.out_avals[i].dtype for b in branches]
@@ -569,4 +571,5 @@ HIGHER_ORDER_RULES: dict[str, Callable[[Any, list, Mode], list]] = {
 }
 
 # The higher-order rules that carry their operands' param paths (`names=`) into their bodies.
-_NAMED_RULES = frozenset({_jit_rule, _closed_call_rule, _scan_rule, _remat_rule, _custom_jvp_rule})
+_NAMED_RULES = frozenset({_jit_rule, _closed_call_rule, _scan_rule, _while_rule, _cond_rule, _remat_rule,
+                          _custom_jvp_rule})

@@ -278,6 +278,16 @@ def test_param_paths_reach_matmuls_through_nested_jit_scan_and_remat_and_pattern
     assert rows((r"^block$", r"^layers\.kernel$")) == [
         ("block.w", "bfloa", "^block$"), ("layers.kernel", "bfloa", r"^layers\.kernel$"), ("out", "float", None)]
 
+    def g(p, x):  # a cond's branches and a while loop's body see the paths of their operands and consts
+        x = jax.lax.cond(x[0, 0] > 0, lambda h: jax.nn.gelu(h @ p["c"]), lambda h: h @ p["c"], x)
+        _, x = jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, jax.nn.gelu(c[1] @ p["w"])), (0, x))
+        return x.sum()
+
+    fn = autocast(g, jnp.bfloat16, fp8="current", fp8_exclude=())
+    report = audit_jaxpr(jax.make_jaxpr(fn)({"c": jnp.ones((64, 64)), "w": jnp.ones((64, 64))}, x),
+                         policy="test", compute_dtype=jnp.bfloat16, fp8_exclude=())
+    assert [r["weight"] for r in report.rows] == ["c", "c", "w"]  # both branches, the loop body
+
 
 def test_an_nnx_model_passed_whole_is_named_by_its_variables_and_a_forward_only_audit_sees_the_names():
     """`autocast(lambda model, x: ...)(model, x)`: the pytree paths of an NNX model end in `.value`, which the
