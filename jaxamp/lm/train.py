@@ -216,9 +216,9 @@ def _train_loop(run: Run, ckpt: Checkpointer, logger: MetricsLogger, state: Trai
     while done < cfg.steps and stop.signal is None:
         t_step = time.perf_counter()
         state = loop.step(state, done)  # the first call traces and compiles the step, then dispatches it
-        if first:
+        if first and is_main_process():  # (process 0 only, as every printed line)
             bar.write(f"step {done + 1}: traced and compiled in {time.perf_counter() - t_step:.1f} s")
-            first = False
+        first = False
         done += 1
         if done % cfg.log_every == 0:
             stop.sync()  # several processes: agree on a signal (a no-op in one process)
