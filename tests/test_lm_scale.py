@@ -26,8 +26,8 @@ from jaxamp.lm.config import (
     RESUME_MATCH_KEYS,
     ConfigError,
     TrainConfig,
-    layout_mismatch,
     resume_keys,
+    saved_scan_layers,
     validate,
 )
 from jaxamp.lm.model import (
@@ -40,6 +40,7 @@ from jaxamp.lm.model import (
     stack_params,
     unstack_params,
 )
+from jaxamp.lm.resume import relaid
 from jaxamp.lm.setup import (
     decay_mask,
     init_variables,
@@ -399,17 +400,59 @@ def test_flags_and_validation():
         validate(TrainConfig(scan_layers=True, remat=remat))
 
 
-def test_resume_settings_scan_layers_must_match_remat_may_change():
+def test_resume_settings_scan_layers_is_read_from_the_checkpoint_remat_may_change():
     assert "scan_layers" in RESUME_MATCH_KEYS and "remat" not in RESUME_MATCH_KEYS
     old = {"layers": 4}  # a checkpoint of a jaxamp before --scan-layers: unrolled
     unrolled, scanned = TrainConfig(workdir="w"), TrainConfig(workdir="w", scan_layers=True)
-    assert layout_mismatch(old, unrolled) is None and layout_mismatch({"scan_layers": True}, scanned) is None
+    assert saved_scan_layers(old, scanned) is False and saved_scan_layers({"scan_layers": True}, unrolled) is True
+    assert saved_scan_layers(None, scanned) is True and saved_scan_layers(None, unrolled) is False  # unreadable
     assert "scan_layers" not in resume_keys(RESUME_MATCH_KEYS, old, unrolled)
     assert "scan_layers" in resume_keys(RESUME_MATCH_KEYS, {"scan_layers": False}, unrolled)
     assert "scan_layers" in resume_keys(RESUME_MATCH_KEYS, old, scanned)
-    for saved, cfg in ((old, scanned), ({"scan_layers": True}, unrolled)):
-        message = layout_mismatch(saved, cfg)
-        assert "--scan-layers" in message and "\n" not in message and "--workdir" in message
+
+
+def _filled(state: TrainState) -> TrainState:
+    """`state` with a distinct random value in every floating leaf of its params and optimizer state (Adam's
+    moments start at zero, which would compare equal however they were moved)."""
+    leaves, treedef = jax.tree.flatten((state.params, state.opt_state))
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    leaves = [jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+              for k, x in zip(keys, leaves)]
+    params, opt_state = jax.tree.unflatten(treedef, leaves)
+    return state.replace(params=params, opt_state=opt_state)
+
+
+def _adam_mu(opt_state):
+    """Adam's first moment (`ScaleByAdamState.mu`) inside the optax chain's state."""
+    mu = next(x.mu for x in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(x, "mu"))
+    return mu.get("params", mu)  # FP8: the moments of the variables dict's params
+
+
+def _same(a, b) -> bool:
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        x.dtype == y.dtype and bool(jnp.array_equal(x, y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp8"])
+def test_relaid_moves_params_adam_moments_and_the_fp8_collection_bitwise(precision):
+    """The resume's layout conversion: an unrolled state stacked has the scanned run's structure (params with the
+    FP8 collection, Adam's mu and nu), layer i of a stacked leaf is h_i's leaf bitwise, and back is the same state."""
+    unrolled = _filled(_state(precision, False, layers=3)[0])
+    scanned_fresh = _state(precision, True, layers=3)[0]
+    scanned = relaid(unrolled, True)
+    assert jax.tree.structure(scanned.params) == jax.tree.structure(scanned_fresh.params)
+    assert jax.tree.structure(scanned.opt_state) == jax.tree.structure(scanned_fresh.opt_state)
+    assert _same(relaid(scanned, False).params, unrolled.params)
+    assert _same(relaid(scanned, False).opt_state, unrolled.opt_state)
+    mu, mu_ref = _adam_mu(scanned.opt_state), _adam_mu(unrolled.opt_state)
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(mu["h"]["mlp"]["c_fc"]["kernel"][i]),
+                                      np.asarray(mu_ref[f"h_{i}"]["mlp"]["c_fc"]["kernel"]))
+    if precision == "fp8":
+        fp8 = split_fp8(scanned.params)[1]["h"]["mlp"]["c_fc"]["fp8"]
+        assert fp8["input_amax_history"].shape == (3, 4)
+    with pytest.raises(ConfigError, match="frozen params"):
+        relaid(unrolled.replace(trainable=(True,) * len(jax.tree.leaves(unrolled.params))), True, "w")
 
 
 def _records(workdir: Path) -> list[dict]:
@@ -417,15 +460,16 @@ def _records(workdir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_scanned_run_trains_as_unrolled_resumes_with_other_remat_and_refuses_unrolled(tmp_path, capsys):
+def test_scanned_run_trains_as_unrolled_and_resumes_in_either_layout(tmp_path, capsys):
     """4 steps unrolled against 2 scanned steps + 2 resumed with --remat full: the same losses to float32 rounding
-    (remat recomputes the same forward; XLA may fuse it otherwise, so not bitwise). Then resuming that scanned
-    checkpoint without --scan-layers is refused in one line naming the flag."""
+    (remat recomputes the same forward; XLA may fuse it otherwise, so not bitwise). Then that scanned checkpoint
+    resumes without --scan-layers (steps 5-6), and that unrolled checkpoint with it again (steps 7-8): the same
+    run as the unrolled one's to float32 rounding, each switch said in one line."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog; " * 300, encoding="utf-8")
     common = dict(data=str(corpus), layers=2, heads=2, width=16, seq_len=16, batch_size=4, eval_every=2,
                   eval_batches=1, log_every=1, sample_tokens=0, checkpoint_every=2, warmup_steps=1, progress=False,
-                  bias=True)
+                  bias=True, decay_steps=8)
     train(TrainConfig(workdir=str(tmp_path / "unrolled"), steps=4, **common))
     scanned = tmp_path / "scanned"
     train(TrainConfig(workdir=str(scanned), steps=2, scan_layers=True, **common))
@@ -440,10 +484,20 @@ def test_scanned_run_trains_as_unrolled_resumes_with_other_remat_and_refuses_unr
     np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rtol=1e-5)
     meta = json.loads((scanned / "checkpoints" / "4" / "config" / "metadata").read_text())
     assert meta["scan_layers"] is True and meta["remat"] == "full"
-    with pytest.raises(ConfigError) as err:
-        train(TrainConfig(workdir=str(scanned), steps=6, **common))
-    message = str(err.value)
-    assert "\n" not in message and "--scan-layers" in message and "saved with --scan-layers" in message
+    for steps, scan in ((6, False), (8, True)):
+        train(TrainConfig(workdir=str(tmp_path / "unrolled"), steps=steps, **common))
+        capsys.readouterr()
+        train(TrainConfig(workdir=str(scanned), steps=steps, scan_layers=scan, **common))
+        out = capsys.readouterr().out
+        layout = [line for line in out.splitlines() if line.startswith("layout:")]
+        assert len(layout) == 1 and ("unstacked for this run without --scan-layers" if not scan else
+                                     "stacked for this run with --scan-layers") in layout[0], out
+        meta = json.loads((scanned / "checkpoints" / str(steps) / "config" / "metadata").read_text())
+        assert meta["scan_layers"] is scan
+    ref, got = _records(tmp_path / "unrolled"), _records(scanned)
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, 9))
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-6)
+    np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

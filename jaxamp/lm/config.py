@@ -166,29 +166,22 @@ def resume_keys(match_keys: tuple[str, ...], saved: dict | None, cfg: TrainConfi
     """`match_keys` for a checkpoint whose saved settings are `saved` (None: unreadable).
 
     A key of `RESUME_DEFAULTS` the checkpoint was saved without (an earlier jaxamp's) is left out when this run has
-    its default value, which that checkpoint had; any other value is refused by `layout_mismatch` before. (With the
-    settings unreadable the key is left out too when this run has the default: an older step the restore falls back
-    to may be an earlier jaxamp's, and a layout it cannot load is still refused by the leaves' check.)
+    its default value, which that checkpoint had (`jaxamp.lm.resume` passes a `cfg` with the saved layout,
+    `saved_scan_layers`, and converts the restored state to the run's). With the settings unreadable the key is left
+    out too when this run has the default: an older step the restore falls back to may be an earlier jaxamp's, and a
+    layout it cannot load is still refused by the leaves' check.
     """
     return tuple(k for k in match_keys if not (k in RESUME_DEFAULTS and (saved is None or k not in saved)
                                                and getattr(cfg, k) == RESUME_DEFAULTS[k]))
 
 
-def layout_mismatch(saved: dict | None, cfg: TrainConfig) -> str | None:
-    """One line refusing a resume whose blocks are laid out otherwise (`--scan-layers`), or None.
-
-    A scanned checkpoint holds each block's leaves stacked under `h`, an unrolled one `h_0 .. h_{L-1}`, for the
-    params and the Adam moments alike; neither loads into the other's run.
-    """
+def saved_scan_layers(saved: dict | None, cfg: TrainConfig) -> bool:
+    """Whether the checkpoint whose settings are `saved` has its blocks scanned (stacked under `h`) or unrolled
+    (`h_0 .. h_{L-1}`, as every checkpoint of an earlier jaxamp without `scan_layers`); this run's setting when the
+    settings are unreadable (the restore then checks the leaves)."""
     if saved is None:
-        return None
-    was = bool(saved.get("scan_layers", RESUME_DEFAULTS["scan_layers"]))
-    if was == cfg.scan_layers:
-        return None
-    with_, without = "with --scan-layers (blocks stacked under h)", "without --scan-layers (blocks h_0 .. h_{L-1})"
-    return (f"the checkpoint in {cfg.workdir} was saved {with_ if was else without} but this run is "
-            f"{with_ if cfg.scan_layers else without}: resume {'with' if was else 'without'} --scan-layers, or pass "
-            "a new --workdir")
+        return cfg.scan_layers
+    return bool(saved.get("scan_layers", RESUME_DEFAULTS["scan_layers"]))
 
 
 def validate_scale_out(cfg: TrainConfig) -> None:

@@ -1,18 +1,23 @@
 """Resuming a run from its newest usable checkpoint, with a precision switch (fp32 <-> bf16 <-> fp16) when the
 run asks for another precision than the checkpoint's: the master weights and optimizer state carry over, the loss
-scale is kept when it is the same kind with the same settings, else made anew.
+scale is kept when it is the same kind with the same settings, else made anew. A checkpoint of the other block
+layout (`--scan-layers` or not) is restored in its own layout and converted (`stack_params` / `unstack_params`:
+the same values, moved).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from jaxamp.checkpoint import Checkpointer, loss_scale_from_record
-from jaxamp.lm.config import PRECISION_KEYS, RESUME_MATCH_KEYS, ConfigError, layout_mismatch, resume_keys
+from jaxamp.lm.config import PRECISION_KEYS, RESUME_MATCH_KEYS, ConfigError, resume_keys, saved_scan_layers
 from jaxamp.lm.log import say
+from jaxamp.lm.model import stack_params, unstack_params
 from jaxamp.lm.setup import Run
 from jaxamp.precision import get_policy, policy_name, uses_fp8
 from jaxamp.sharding import abstract_state
@@ -26,21 +31,27 @@ def resume_state(run: Run, ckpt: Checkpointer) -> tuple[TrainState, str | None]:
         return run.state, None
     target, match_keys, switched_from = run.state, RESUME_MATCH_KEYS, None
     settings = ckpt.read_settings()  # None if unreadable: restore reports it and falls back
-    problem = layout_mismatch(None if settings is None else settings[0], run.cfg)  # --scan-layers
-    if problem:
-        raise ConfigError(problem)
-    match_keys = resume_keys(match_keys, None if settings is None else settings[0], run.cfg)
+    scanned = saved_scan_layers(None if settings is None else settings[0], run.cfg)  # --scan-layers
+    cfg = dataclasses.replace(run.cfg, scan_layers=scanned)  # restore as a run of the saved layout
+    if scanned != run.cfg.scan_layers:
+        target = relaid(run.state, scanned, run.cfg.workdir)
+    match_keys = resume_keys(match_keys, None if settings is None else settings[0], cfg)
     if settings is not None and settings[1].get("policy") != policy_name(run.state.policy):
         # Saved under another policy: restore into a target with the saved one, then carry the run over. (A policy
         # that differs only in its per-leaf rule, e.g. a checkpoint of an older jaxamp, is no precision switch.)
-        target, saved_name = _saved_precision_target(run, *settings)
+        target, saved_name = _saved_precision_target(run, target, *settings)
         if saved_name != policy_name(run.state.policy, rules=False):
             switched_from, match_keys = saved_name, tuple(k for k in match_keys if k not in PRECISION_KEYS)
     abstract = jax.eval_shape(lambda: target) if run.mesh is None else abstract_state(target, run.mesh)
-    state, _ = ckpt.restore(abstract, run.run_config(), match_keys=match_keys,
+    state, _ = ckpt.restore(abstract, {**run.run_config(), "scan_layers": scanned}, match_keys=match_keys,
                             set_aside=Path(run.cfg.workdir) / "unusable-checkpoints")
     if int(state.step) < run.cfg.steps:  # a finished run says "already holds step N" instead: nothing resumes
         say(f"resumed from step {int(state.step)} ({ckpt.directory})")
+    if scanned != run.cfg.scan_layers:
+        state = _placed_like(relaid(state, run.cfg.scan_layers, run.cfg.workdir), run.state)
+        say(f"layout: the checkpoint's blocks were {'stacked under h' if scanned else 'h_0 .. h_{L-1}'}; "
+            f"{'unstacked' if scanned else 'stacked'} for this run {'with' if run.cfg.scan_layers else 'without'} "
+            "--scan-layers (params and optimizer state: the same values; its next checkpoints are in this layout)")
     if target is run.state:
         return state, None
     same_scale = (type(state.loss_scale) is type(run.state.loss_scale)
@@ -53,7 +64,45 @@ def resume_state(run: Run, ckpt: Checkpointer) -> tuple[TrainState, str | None]:
     return state, switched_from
 
 
-def _saved_precision_target(run: Run, config: dict, record: dict) -> tuple[TrainState, str]:
+def relaid(state: TrainState, scanned: bool, workdir: str = "") -> TrainState:
+    """`state` with its blocks in the scanned layout (`scanned`: `h`, leaves `[layers, ...]`) or the unrolled one
+    (`h_0 .. h_{L-1}`): `stack_params` / `unstack_params` on every mapping of its params (the FP8 collection
+    included), optimizer state (Adam's `mu` and `nu`) and model state. Values are moved, never changed.
+
+    Raises:
+      ConfigError: the state has frozen leaves (`trainable`, one flag per leaf of one layout).
+    """
+    if state.trainable is not None:
+        raise ConfigError(f"the checkpoint in {workdir} has the other block layout (--scan-layers) and frozen "
+                          "params, which cannot be converted: resume with the saved --scan-layers setting")
+    convert = stack_params if scanned else unstack_params
+
+    def each(tree):
+        return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, Mapping))
+
+    return state.replace(params=each(state.params), opt_state=each(state.opt_state),
+                         model_state=each(state.model_state))
+
+
+def _placed_like(state: TrainState, like: TrainState) -> TrainState:
+    """`state`'s params, optimizer state and model state on the devices and shardings of `like`'s (a converted
+    state, for a run on a mesh).
+
+    Raises:
+      ConfigError: they differ from `like`'s in structure (a checkpoint that does not convert to this layout).
+    """
+    parts = {}
+    for name in ("params", "opt_state", "model_state"):
+        got, ref = getattr(state, name), getattr(like, name)
+        if jax.tree.structure(got) != jax.tree.structure(ref):
+            raise ConfigError("the checkpoint's blocks do not convert to this run's layout (--scan-layers): resume "
+                              "with the saved --scan-layers setting, or pass a new --workdir")
+        parts[name] = jax.tree.map(lambda x, r: jax.device_put(x, r.sharding) if hasattr(r, "sharding") else x,
+                                   got, ref)
+    return state.replace(**parts)
+
+
+def _saved_precision_target(run: Run, base: TrainState, config: dict, record: dict) -> tuple[TrainState, str]:
     """The fresh state under the checkpoint's own policy and loss scale (the restore target when the precision
     changes on resume), and the saved precision's name.
 
@@ -73,5 +122,5 @@ def _saved_precision_target(run: Run, config: dict, record: dict) -> tuple[Train
             f"{config.get('precision')!r}) but --precision {run.cfg.precision} keeps them in {new.name}; resume with "
             f"a precision whose master weights are {old.name} (fp32, bf16 and fp16 all keep float32), or pass a new "
             "--workdir")
-    target = run.state.replace(policy=saved, loss_scale=loss_scale_from_record(record.get("loss_scale") or {}))
+    target = base.replace(policy=saved, loss_scale=loss_scale_from_record(record.get("loss_scale") or {}))
     return target, policy_name(saved, rules=False)
