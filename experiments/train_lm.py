@@ -89,7 +89,7 @@ HELP = {
                   "logits (0 = compute them whole); same loss to float32 rounding; may change on resume",
     "scan_layers": "run the blocks as one nn.scan over parameters stacked on a layer axis: one block compiled for "
                    "all layers, so compile time stops growing with depth; same initial weights and losses (to "
-                   "float32 rounding) as unrolled; a checkpoint of one layout does not resume in the other",
+                   "float32 rounding) as unrolled; a checkpoint of either layout resumes in the other (converted)",
     "remat": "rematerialise each block in the backward pass (less activation memory, more compute; same math, "
              "may change on resume): none | full (recompute the whole block) | dots (keep every matmul output, "
              "jax.checkpoint_policies.dots_saveable) | dots_with_no_batch_dims (keep the Dense outputs, recompute "
@@ -103,6 +103,9 @@ HELP = {
     "coordinator": "HOST:PORT of process 0 for jax.distributed (several processes; or JAX_COORDINATOR_ADDRESS)",
     "num_processes": "number of processes (or JAX_NUM_PROCESSES)",
     "process_id": "this process's index, 0 .. num_processes-1 (or JAX_PROCESS_ID)",
+    "dry_run": "print the parameter count, bytes per parameter, the precision audit and the compiled step's "
+               "FLOPs and memory (XLA's analyses, for this backend) without making the weights or training; "
+               "the workdir is not touched",
 }
 
 

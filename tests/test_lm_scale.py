@@ -111,6 +111,32 @@ def test_gpt2_xl_preset_has_gpt2_xls_shape_and_parameter_count():
     assert round((counts[True][1] - (50304 - 50257) * 1600) / 1e6, 2) == 1555.97
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_dry_run_prints_sizes_and_compiled_memory_and_writes_nothing(tmp_path, capsys, scan):
+    """--dry-run: the header, the audit and one line of FLOPs and memory from the step compiled on shapes only; the
+    figures are the model's (parameters, nanoGPT's FLOPs, the state's bytes among the arguments); no workdir."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog; " * 300, encoding="utf-8")
+    workdir = tmp_path / "run"
+    cfg = TrainConfig(data=str(corpus), layers=2, heads=2, width=16, seq_len=16, batch_size=4, workdir=str(workdir),
+                      precision="bf16", scan_layers=scan, dry_run=True, progress=False)
+    out = train(cfg)
+    printed = capsys.readouterr().out.splitlines()
+    assert not workdir.exists()
+    assert printed[0].startswith("jaxamp: ") and printed[1].startswith("precision audit (bf16")
+    assert printed[2].startswith("dry run: the step compiled for cpu in ")
+    assert "nothing trained or written" in printed[2] and len(printed) == 3
+    vocab = len(set(corpus.read_text()))
+    n = 2 * (12 * 16 * 16 + 2 * 16) + 16 + vocab * 16 + 16 * 16  # blocks, ln_f, wte (tied head), wpe
+    assert out["dry_run"] is True and out["parameters"] == n and out["tokens_per_step"] == 64
+    assert out["model_flops"] == 64 * (6 * (n - 16 * 16) + 12 * 2 * 16 * 16)
+    state_bytes = 12 * n  # float32 master weights and Adam's two moments
+    assert state_bytes <= out["argument_bytes"] <= state_bytes + 4096, out  # + the batch, counters, loss scale
+    assert out["temp_bytes"] > 0 and out["peak_bytes_estimate"] >= out["argument_bytes"] + out["temp_bytes"]
+    if not scan:  # XLA's count: the matmuls and the rest (a scanned body is counted once)
+        assert out["model_flops"] < out["flops"] < 3 * out["model_flops"], out
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # stack_params / unstack_params.
 

@@ -86,6 +86,7 @@ class TrainConfig:
     coordinator: str | None = None  # HOST:PORT of process 0 for jax.distributed (else JAX_COORDINATOR_ADDRESS)
     num_processes: int | None = None  # processes in all (else JAX_NUM_PROCESSES)
     process_id: int | None = None  # this process, 0 .. num_processes - 1 (else JAX_PROCESS_ID)
+    dry_run: bool = False  # print the sizes, the precision audit and the compiled step's FLOPs and memory; no weights
 
     def __post_init__(self) -> None:
         """Fills the shape fields left None from the `model` preset (an unknown name is left to `validate`)."""

@@ -7,6 +7,7 @@ No side effects beyond reading the data: the loop (`jaxamp.lm.train`) prints, wr
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from jaxamp.precision import (
     uses_fp8,
 )
 from jaxamp.sharding import (
+    abstract_state,
     format_mesh_spec,
     gather_to_host,
     jit_eval_step,
@@ -233,8 +235,11 @@ def build(cfg: TrainConfig) -> Run:
     policy = make_policy(cfg.precision)
     model_cfg = model_config(cfg, dataset.vocab_size, fp8=uses_fp8(policy))
     model = TransformerLM(model_cfg)
-    state = initial_state(cfg, model_cfg, policy)
-    if mesh is not None:
+    if cfg.dry_run:  # shapes and dtypes only (`jax.ShapeDtypeStruct`s): nothing allocated
+        state = abstract_state(jax.eval_shape(lambda: initial_state(cfg, model_cfg, policy)), mesh)
+    else:
+        state = initial_state(cfg, model_cfg, policy)
+    if mesh is not None and not cfg.dry_run:
         state = shard_state(state, mesh)  # every leaf a global array: params/opt_state by the FSDP rule
     loss_fn = make_loss_fn(model)
 
@@ -256,6 +261,23 @@ def build(cfg: TrainConfig) -> Run:
                        num_batches=cfg.eval_batches, seed=cfg.seed, vocab_size=dataset.vocab_size)
     val = [device_batch(mesh, b) for b in val]
     return Run(cfg, dataset, model, state, step_fn, eval_fn, val, dataset.sha256, mesh, fidelity_fn)
+
+
+def step_costs(run: Run) -> dict:
+    """The training step compiled for this backend on the run's shapes (nothing run): `seconds` to trace, lower
+    and compile; `flops` per step (XLA's cost analysis); `argument_bytes` (weights, optimizer state, batch),
+    `temp_bytes` (activations, gradients, XLA's scratch) and `output_bytes` less the donated state's aliased
+    buffers (XLA's memory analysis). On a GPU, XLA fuses otherwise: the CPU's figures are estimates for it."""
+    rows = run.cfg.batch_size * run.cfg.accum_steps
+    tokens = jax.ShapeDtypeStruct((rows, run.cfg.seq_len), jnp.int32)  # i32[batch * accum_steps, seq]
+    t0 = time.perf_counter()
+    compiled = run.step_fn.lower(run.state, (tokens, tokens)).compile()
+    seconds = time.perf_counter() - t0
+    cost, memory = compiled.cost_analysis(), compiled.memory_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost  # a list of one dict in older jax
+    return {"seconds": seconds, "flops": float((cost or {}).get("flops", 0.0)),
+            "argument_bytes": int(memory.argument_size_in_bytes), "temp_bytes": int(memory.temp_size_in_bytes),
+            "output_bytes": int(memory.output_size_in_bytes - memory.alias_size_in_bytes)}
 
 
 def device_batch(mesh, batch):

@@ -30,7 +30,7 @@ from jaxamp.lm.log import host_records, open_logger, report_fidelity, report_ski
 from jaxamp.lm.metrics_log import MetricsLogger, read_metrics, record_with, sync_metrics
 from jaxamp.lm.model import count_params
 from jaxamp.lm.resume import resume_state
-from jaxamp.lm.setup import Run, build, device_batch, evaluate, sample_text, train_batch
+from jaxamp.lm.setup import Run, build, device_batch, evaluate, sample_text, step_costs, train_batch
 from jaxamp.lm.stopping import DivergenceError, DivergenceGuard, StopRequest
 from jaxamp.lm.workdir import (
     BPE_DIR,
@@ -153,6 +153,10 @@ def train(cfg: TrainConfig) -> dict:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     run = build(cfg)
+    if cfg.dry_run:
+        with warnings.catch_warnings():  # the audit's line says it; train_step's PrecisionWarning would repeat it
+            warnings.simplefilter("ignore", PrecisionWarning)
+            return dry_run(run)
     workdir, ckpt, lock = open_workdir(cfg)
     # Signals are held from here to the end: one that arrives after the loop (final save, summary, sample) lets the
     # finished run complete and exit 0.
@@ -171,6 +175,36 @@ def train(cfg: TrainConfig) -> dict:
             raise WorkdirWriteError(f"cannot write in --workdir {workdir}{name}: {err.strerror} "
                                     f"({errno.errorcode.get(err.errno, err.errno)}); "
                                     f"{resume_advice(err.errno, ckpt)}") from err
+
+
+def dry_run(run: Run) -> dict:
+    """Prints the run's header, its precision audit and the compiled step's FLOPs and memory, and returns them;
+    no weights are made (the state is shapes only), no step is run, the workdir is not touched."""
+    say(run.header())
+    audit = run.precision_summary()
+    if audit:
+        say(audit)
+    costs = step_costs(run)
+    cfg, tokens = run.cfg, run.cfg.tokens_per_step()
+    params = split_fp8(run.state.params)[0]
+    n = count_params(params)
+    n_no_pos = n - count_params([x for path, x in jax.tree_util.tree_leaves_with_path(params)
+                                 if "wpe" in jax.tree_util.keystr(path)])
+    model_flops = tokens * (6 * n_no_pos + 12 * cfg.layers * cfg.seq_len * cfg.width)  # nanoGPT's estimate_mfu
+    total = costs["argument_bytes"] + costs["temp_bytes"] + costs["output_bytes"]
+    say(f"dry run: the step compiled for {jax.devices()[0].platform} in {costs['seconds']:.1f} s; "
+        f"{model_flops / 1e9:,.1f} GFLOP per step (nanoGPT's 6 N + 12 L T d per token; XLA's cost analysis: "
+        f"{costs['flops'] / 1e9:,.1f}{', the scanned block counted once' if cfg.scan_layers else ''}); memory per "
+        f"device {_bytes(costs['argument_bytes'])} of arguments (weights, optimizer state, batch) + "
+        f"{_bytes(costs['temp_bytes'])} of temporaries (activations, gradients) + {_bytes(costs['output_bytes'])} "
+        f"of outputs not donated = {_bytes(total)} (XLA's memory analysis of this backend's program); nothing "
+        "trained or written")
+    return {"dry_run": True, "parameters": n, "tokens_per_step": tokens, "model_flops": model_flops, **costs,
+            "peak_bytes_estimate": total}
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _train_in_workdir(run: Run, workdir: Path, ckpt: Checkpointer, stop: StopRequest) -> dict:
