@@ -224,7 +224,8 @@ def initial_state(cfg: TrainConfig, model_cfg: TransformerConfig, policy) -> Tra
 
 
 def build(cfg: TrainConfig) -> Run:
-    """Validates `cfg`, loads the data and builds the model, optimizer, loss scale and initial state."""
+    """Validates `cfg`, loads the data and builds the model, optimizer, loss scale and initial state (with
+    `cfg.dry_run`, the state's shapes and dtypes only: `jax.ShapeDtypeStruct`s, no weights made)."""
     validate(cfg)
     try:
         mesh = None if cfg.mesh is None else make_mesh(cfg.mesh)  # checks the device count before any work

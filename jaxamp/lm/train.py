@@ -140,7 +140,8 @@ def train(cfg: TrainConfig) -> dict:
 
     Writes WORKDIR/metrics.jsonl (one record per step), TensorBoard events (WORKDIR/tb), checkpoints every
     `checkpoint_every` steps and at the end, and WORKDIR/summary.json; returns the summary. SIGTERM or SIGINT
-    finishes the current step, saves, and returns (summary["stopped_by"] names the signal).
+    finishes the current step, saves, and returns (summary["stopped_by"] names the signal). With `cfg.dry_run`,
+    prints and returns `dry_run`'s figures instead, and touches no file.
 
     Raises:
       ConfigError: a bad option. DataError: a bad corpus. CheckpointError: an unusable or mismatched checkpoint
