@@ -193,9 +193,11 @@ def dry_run(run: Run) -> dict:
                                  if "wpe" in jax.tree_util.keystr(path)])
     model_flops = tokens * (6 * n_no_pos + 12 * cfg.layers * cfg.seq_len * cfg.width)  # nanoGPT's estimate_mfu
     total = costs["argument_bytes"] + costs["temp_bytes"] + costs["output_bytes"]
+    looped = [name for name, on in (("scanned blocks", cfg.scan_layers), ("micro-batches", cfg.accum_steps > 1)) if on]
+    loops = f", a loop's body counted once: {' and '.join(looped)}" if looped else ""
     say(f"dry run: the step compiled for {jax.devices()[0].platform} in {costs['seconds']:.1f} s; "
         f"{model_flops / 1e9:,.1f} GFLOP per step (nanoGPT's 6 N + 12 L T d per token; XLA's cost analysis: "
-        f"{costs['flops'] / 1e9:,.1f}{', the scanned block counted once' if cfg.scan_layers else ''}); memory per "
+        f"{costs['flops'] / 1e9:,.1f}{loops}); memory per "
         f"device {_bytes(costs['argument_bytes'])} of arguments (weights, optimizer state, batch) + "
         f"{_bytes(costs['temp_bytes'])} of temporaries (activations, gradients) + {_bytes(costs['output_bytes'])} "
         f"of outputs not donated = {_bytes(total)} (XLA's memory analysis of this backend's program); nothing "
