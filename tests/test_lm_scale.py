@@ -135,6 +135,11 @@ def test_dry_run_prints_sizes_and_compiled_memory_and_writes_nothing(tmp_path, c
     assert out["temp_bytes"] > 0 and out["peak_bytes_estimate"] >= out["argument_bytes"] + out["temp_bytes"]
     if not scan:  # XLA's count: the matmuls and the rest (a scanned body is counted once)
         assert out["model_flops"] < out["flops"] < 3 * out["model_flops"], out
+        (workdir / "checkpoints").mkdir(parents=True)  # a workdir with checkpoints: said, left as it is
+        train(cfg)
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert line.endswith(f"; {workdir / 'checkpoints'} holds checkpoints, which a run of this config would resume")
+        assert [p.name for p in workdir.iterdir()] == ["checkpoints"] and not any((workdir / "checkpoints").iterdir())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

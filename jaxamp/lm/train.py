@@ -195,15 +195,21 @@ def dry_run(run: Run) -> dict:
     total = costs["argument_bytes"] + costs["temp_bytes"] + costs["output_bytes"]
     looped = [name for name, on in (("scanned blocks", cfg.scan_layers), ("micro-batches", cfg.accum_steps > 1)) if on]
     loops = f", a loop's body counted once: {' and '.join(looped)}" if looped else ""
+    per_device = " per device" if run.mesh is not None else ""
+    held = Path(cfg.workdir) / "checkpoints"
     say(f"dry run: the step compiled for {jax.devices()[0].platform} in {costs['seconds']:.1f} s; "
-        f"{model_flops / 1e9:,.1f} GFLOP per step (nanoGPT's 6 N + 12 L T d per token; XLA's cost analysis: "
-        f"{costs['flops'] / 1e9:,.1f}{loops}); memory per "
-        f"device {_bytes(costs['argument_bytes'])} of arguments (weights, optimizer state, batch) + "
-        f"{_bytes(costs['temp_bytes'])} of temporaries (activations, gradients) + {_bytes(costs['output_bytes'])} "
-        f"of outputs not donated = {_bytes(total)} (XLA's memory analysis of this backend's program); nothing "
-        "trained or written")
+        f"{_flops(model_flops)} per step (nanoGPT's 6 N + 12 L T d per token; XLA's cost analysis: "
+        f"{_flops(costs['flops'])}{per_device}{loops}); memory per device {_bytes(costs['argument_bytes'])} of "
+        f"arguments (weights, optimizer state, batch) + {_bytes(costs['temp_bytes'])} of temporaries (activations, "
+        f"gradients) + {_bytes(costs['output_bytes'])} of outputs not donated = {_bytes(total)} (XLA's memory "
+        "analysis of this backend's program); nothing trained or written"
+        + (f"; {held} holds checkpoints, which a run of this config would resume" if held.is_dir() else ""))
     return {"dry_run": True, "parameters": n, "tokens_per_step": tokens, "model_flops": model_flops, **costs,
             "peak_bytes_estimate": total}
+
+
+def _flops(n: float) -> str:
+    return f"{n / 1e9:,.1f} GFLOP" if n >= 1e9 else f"{n / 1e6:,.1f} MFLOP"
 
 
 def _bytes(n: int) -> str:
