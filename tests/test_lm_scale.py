@@ -138,7 +138,8 @@ def test_dry_run_prints_sizes_and_compiled_memory_and_writes_nothing(tmp_path, c
         (workdir / "checkpoints").mkdir(parents=True)  # a workdir with checkpoints: said, left as it is
         train(cfg)
         line = capsys.readouterr().out.splitlines()[-1]
-        assert line.endswith(f"; {workdir / 'checkpoints'} holds checkpoints, which a run of this config would resume")
+        assert line.endswith(f"; {workdir / 'checkpoints'} holds checkpoints: a run resumes them if its settings "
+                             "match theirs (not checked here)")
         assert [p.name for p in workdir.iterdir()] == ["checkpoints"] and not any((workdir / "checkpoints").iterdir())
 
 

@@ -203,7 +203,8 @@ def dry_run(run: Run) -> dict:
         f"arguments (weights, optimizer state, batch) + {_bytes(costs['temp_bytes'])} of temporaries (activations, "
         f"gradients) + {_bytes(costs['output_bytes'])} of outputs not donated = {_bytes(total)} (XLA's memory "
         "analysis of this backend's program); nothing trained or written"
-        + (f"; {held} holds checkpoints, which a run of this config would resume" if held.is_dir() else ""))
+        + (f"; {held} holds checkpoints: a run resumes them if its settings match theirs (not checked here)"
+           if held.is_dir() else ""))
     return {"dry_run": True, "parameters": n, "tokens_per_step": tokens, "model_flops": model_flops, **costs,
             "peak_bytes_estimate": total}
 
