@@ -76,8 +76,11 @@ def test_a_workdir_of_the_earlier_layout_resumes_to_the_same_run(tmp_path, name)
     for record in records:
         record.pop("tokens_per_s")
     assert [sorted(r) for r in records] == [sorted(r) for r in expected["records"]]
-    assert records[:3] == expected["records"][:3]  # steps 1-2 restored from the copy; step 3 from the same weights
-    for got, want in zip(records[3:], expected["records"][3:]):
+    # Steps 1-2: the records restored from the copy, bitwise. Steps 3-4: computed from the restored weights (bitwise,
+    # test above) by this jax's compiled step, which fuses some float32 sums otherwise than the one that wrote them
+    # (jaxlib 0.10.2: fp16's step-3 grad_norm 2.3e-7 apart): to float32 rounding.
+    assert records[:2] == expected["records"][:2]
+    for got, want in zip(records[2:], expected["records"][2:]):
         for key, value in want.items():
             if isinstance(value, float):
                 np.testing.assert_allclose(got[key], value, rtol=1e-5, err_msg=key)
@@ -91,4 +94,12 @@ def test_a_workdir_of_the_earlier_layout_resumes_to_the_same_run(tmp_path, name)
     assert sorted(flat) == sorted([*old.files, ".consecutive_skips"])
     for key in old.files:
         assert flat[key].dtype == old[key].dtype and flat[key].shape == old[key].shape, key
-        np.testing.assert_allclose(flat[key], old[key], rtol=2e-5, atol=1e-7, err_msg=key)
+        got, want = flat[key], old[key]
+        if "c_attn']['bias']" in key and ".params" in key:  # the key bias: a softmax ignores it, its true gradient is
+            third = got.shape[-1] // 3                      # 0 and Adam turns rounding noise into steps of up to lr
+            np.testing.assert_allclose(got[..., third:2 * third], want[..., third:2 * third], atol=2 * 1e-3)
+            got, want = np.delete(got, np.s_[third:2 * third], -1), np.delete(want, np.s_[third:2 * third], -1)
+        # fp16 computes in float16, which this jax's step rounds at other places too: its gradients, so its Adam
+        # moments and weights, move by fp16's rounding (unit 4.9e-4; 3.4e-4 relative seen in a moment, jaxlib 0.10.2)
+        tol = dict(rtol=1e-3, atol=1e-5) if name == "fp16" else dict(rtol=2e-5, atol=1e-7)
+        np.testing.assert_allclose(got, want, err_msg=key, **tol)
