@@ -229,7 +229,7 @@ class _Walk:
         source, library = _where(eqn)
         names = [*self.prefix, *_names(eqn)]
         row = {"source": source, "library": library, "primitive": eqn.primitive.name, "lhs": lhs, "rhs": rhs,
-               "out": _dtype(eqn.outvars[0]), "flops": _matmul_flops(eqn) * trips,
+               "out": _dtype(eqn.outvars[0]), "flops": _matmul_flops(eqn) * trips, "trips": trips,
                "pass": _pass(eqn, self.backward),
                "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}",
                "scope": "/".join(_scope(names)), "callers": _callers(eqn), "weight": weight_path(names)}
@@ -307,7 +307,8 @@ class PrecisionReport:
         bfloat16 or FP8; 1.0 when the step has no matmul.
       rows: one dict per matmul or convolution: `source` (`file.py:LINE` of the user's code), `library` (the
         library frame that issued it, e.g. `flax/linen/linear.py:Dense.__call__`, or ""), `primitive`, `lhs`,
-        `rhs`, `out` (dtype names), `flops` (per step, times scan trip counts), `pass` (`"forward"` or
+        `rhs`, `out` (dtype names), `flops` (per step, times scan trip counts), `trips` (how many times a step
+        runs it: the product of its enclosing scans' lengths, 1 outside a scan), `pass` (`"forward"` or
         `"backward"`), `shape`, `scope` (the names on its name stack: `"Model/block_0/Dense_1"`; Equinox's
         classes, `jax.named_scope`s), `callers` (the functions outside JAX and jaxamp that traced it, innermost
         first: `"Linear.__call__ < GPT.__call__ < loss_fn"`), `weight` (under autocast, the path of the param
@@ -358,7 +359,7 @@ class PrecisionReport:
         """One line: the half share (and the FP8 share where there is one), the fallbacks and half-precision sums,
         and the largest source of each."""
         total = sum(r["flops"] for r in self.rows)
-        text = (f"precision audit ({self.policy}): {100 * self.half_fraction:.1f}% of {total / 1e9:.3g} GFLOP of "
+        text = (f"precision audit ({self.policy}): {100 * self.half_fraction:.1f}% of {_flops_text(total)} of "
                 f"matmuls in half precision")
         if self.fp8_fraction:
             text += f" ({100 * self.fp8_fraction:.1f}% in FP8)"
@@ -374,7 +375,7 @@ class PrecisionReport:
             text += f"; fp8_exclude patterns that match no matmul: {', '.join(self.fp8_unused_added)}"
         if self.fallbacks:
             worst = max(self.fallbacks, key=lambda r: r["flops"])
-            text += f"; {len(self.fallbacks)} in float32, largest at {worst['source']}"
+            text += f"; {sum(r['trips'] for r in self.fallbacks)} in float32, largest at {worst['source']}"
         if self.half_accumulations:
             worst = max(self.half_accumulations, key=lambda r: r["size"])
             text += (f"; {len(self.half_accumulations)} half-precision sums past the format's limit, largest "
@@ -391,7 +392,7 @@ class PrecisionReport:
             key = (r["source"], r["library"], r["pass"], r["primitive"], r["lhs"], r["rhs"], r["out"],
                    _layers(r.get("weight", "")) or "-", r.get("fp8_excluded_by") or "-")
             count, flops = groups.get(key, (0, 0))
-            groups[key] = (count + 1, flops + r["flops"])
+            groups[key] = (count + r["trips"], flops + r["flops"])
         total = sum(r["flops"] for r in self.rows) or 1
         rows = [(src, lib or "-", pas, f"{prim} x{count}", f"{lhs} x {rhs} -> {out}", f"{100 * flops / total:.1f}%",
                  weight, excluded)
@@ -409,6 +410,11 @@ class PrecisionReport:
             lines += ["", "half-precision sums past the format's limit:",
                       _columns(("source", "library", "pass", "op", "dtype", "values"), sums)]
         return "\n".join(lines)
+
+
+def _flops_text(flops: float) -> str:
+    """`"5,107.0 GFLOP"`, `"12.6 MFLOP"`: FLOPs per step in the unit that reads best."""
+    return f"{flops / 1e9:,.1f} GFLOP" if flops >= 1e9 else f"{flops / 1e6:,.1f} MFLOP"
 
 
 def _layers(weight: str) -> str:

@@ -3,6 +3,7 @@ the fidelity report's near-zero leaves and global-norm errors."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 
@@ -198,6 +199,34 @@ def test_flops_of_matmuls_and_convolutions_and_scan_trip_counts():
     assert sum(r["pass"] == "forward" for r in report.rows) == 3
     scanned = [r["pass"] for r in report.rows if r["flops"] == 3 * 2 * 8 * 32 * 32]
     assert scanned == ["forward", "backward", "backward"], scanned
+
+
+def test_a_scanned_matmul_counts_as_many_times_as_it_runs_in_the_summary_and_the_table():
+    """A float32 matmul in a scan of length 3 counts as the same matmul written 3 times (rows' `trips`)."""
+
+    def loss(scanned, params, x, rng):
+        del rng
+        layer = lambda c: (c.astype(jnp.float32) @ params["v"].astype(jnp.float32)).astype(c.dtype)  # float32
+
+        h = x.astype(params["x0"].dtype) * params["x0"]  # differentiated: the first layer's dgrad runs, scanned or not
+        if scanned:
+            h, _ = jax.lax.scan(lambda c, _: (layer(c), None), h, None, length=3)
+        else:
+            h = layer(layer(layer(h)))
+        return jnp.sum(h.astype(jnp.float32))
+
+    params = {"v": jnp.ones((32, 32)) * 0.01, "x0": jnp.ones((8, 32))}
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(0))
+    reports = [precision_audit(state, jnp.ones((8, 32)), functools.partial(loss, scanned)) for scanned in (0, 1)]
+    for report in reports:  # forward 3, backward 3 dgrads + 3 wgrads (2 * 8 * 32 * 32 FLOPs each): 9 in float32
+        assert "100.0% of" not in report.summary() and "0.0% of 0.1 MFLOP of matmuls" in report.summary()
+        assert "; 9 in float32, largest at test_audit.py:" in report.summary(), report.summary()
+        assert sum(r["trips"] for r in report.rows) == 9 and sum(r["flops"] for r in report.rows) == 9 * 16384
+        table = [line for line in str(report).splitlines() if " dot_general x" in line]
+        counts = sorted(int(line.split(" dot_general x")[1].split()[0]) for line in table)
+        assert counts == [3, 6], str(report)  # forward x3, backward x6
+    assert [r["trips"] for r in reports[1].rows] == [3, 3, 3] and len(reports[0].rows) == 9
 
 
 def test_fidelity_report_marks_near_zero_leaves_and_keeps_them_out_of_the_worst():

@@ -522,8 +522,8 @@ def test_scanned_run_trains_as_unrolled_and_resumes_in_either_layout(tmp_path, c
         train(TrainConfig(workdir=str(scanned), steps=steps, scan_layers=scan, **common))
         out = capsys.readouterr().out
         layout = [line for line in out.splitlines() if line.startswith("layout:")]
-        assert len(layout) == 1 and ("unstacked for this run without --scan-layers" if not scan else
-                                     "stacked for this run with --scan-layers") in layout[0], out
+        assert len(layout) == 1 and ("stacked under h; unstacked for this run without --scan-layers" if not scan
+                                     else "were h_0 .. h_1; stacked for this run with --scan-layers") in layout[0], out
         meta = json.loads((scanned / "checkpoints" / str(steps) / "config" / "metadata").read_text())
         assert meta["scan_layers"] is scan
     ref, got = _records(tmp_path / "unrolled"), _records(scanned)

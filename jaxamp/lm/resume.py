@@ -49,7 +49,8 @@ def resume_state(run: Run, ckpt: Checkpointer) -> tuple[TrainState, str | None]:
         say(f"resumed from step {int(state.step)} ({ckpt.directory})")
     if scanned != run.cfg.scan_layers:
         state = _placed_like(relaid(state, run.cfg.scan_layers, run.cfg.workdir), run.state)
-        say(f"layout: the checkpoint's blocks were {'stacked under h' if scanned else 'h_0 .. h_{L-1}'}; "
+        unrolled = f"h_0 .. h_{run.model.config.num_layers - 1}"
+        say(f"layout: the checkpoint's blocks were {'stacked under h' if scanned else unrolled}; "
             f"{'unstacked' if scanned else 'stacked'} for this run {'with' if run.cfg.scan_layers else 'without'} "
             "--scan-layers (params and optimizer state: the same values; its next checkpoints are in this layout)")
     if target is run.state:
