@@ -475,6 +475,40 @@ class Checkpointer:
         listing = "; ".join(f"step {n} ({self._dir / str(n)}): {why}" for n, why in failures)
         raise CheckpointError(f"no usable checkpoint in {self._dir}: {listing}")
 
+    def check(self, abstract_state: TrainState, expected_config: dict | None = None, *, match_keys=(),
+              step: int | None = None) -> tuple[int, str | None]:
+        """What `restore` would do with the same arguments, from the JSON items alone: no array is read, nothing
+        is written (e.g. a dry run's report on a workdir's checkpoints).
+
+        Steps are tried newest first, as `restore` tries them; one whose config or integrity record cannot be read
+        is passed over (`restore` would pass it over too, with a warning).
+
+        Returns:
+          `(step, problem)`: the step `restore` would restore, and None when its settings and structure match, or
+          the one line `restore` would raise as a `CheckpointMismatchError`.
+
+        Raises:
+          CheckpointError: the directory holds no step, non-checkpoint entries, or no readable step.
+          ValueError: a `match_keys` entry is missing from `expected_config`.
+        """
+        missing = [k for k in match_keys if expected_config is None or k not in expected_config]
+        if missing:
+            raise ValueError(f"match_keys {missing} are not in expected_config")
+        self.wait()
+        self._check_directory()
+        target = storage.restore_target(abstract_state)
+        failures = []
+        for n in self._candidates(step):
+            try:
+                with storage.Reader(self._dir) as reader:
+                    config, record = self._read_meta(reader, n)
+            except _Unusable as err:
+                failures.append(f"step {n}: {err}")
+                continue
+            return n, mismatch(n, self._dir, config, record, legacy_target(record, target), expected_config,
+                               tuple(match_keys))
+        raise CheckpointError(f"no readable checkpoint in {self._dir}: {'; '.join(failures)}")
+
     def _candidates(self, step: int | None) -> list[int]:
         """The steps `restore` tries, in order: `step` alone, or every step on disk newest first."""
         on_disk = self.steps()

@@ -328,6 +328,31 @@ def test_mismatch_raises_and_touches_nothing(tmp_path, states):
     assert _snapshot(tmp_path) == before
 
 
+def test_check_says_what_restore_would_do_and_reads_no_array(tmp_path, states, monkeypatch):
+    """`check`: the step `restore` would take and the mismatch it would raise, from the JSON items alone."""
+    _save(tmp_path, states, steps=(4, 5)).close()
+    (tmp_path / "5" / "integrity" / "metadata").write_text("{}")  # step 5's record damaged: restore passes it over
+    before = _snapshot(tmp_path)
+    ckpt = Checkpointer(tmp_path)
+    target = _abstract(states[4])
+    monkeypatch.setattr(Checkpointer, "_read_arrays", lambda *a: pytest.fail("check read the arrays"))
+    assert ckpt.check(target, dict(CONFIG), match_keys=("lr", "width")) == (4, None)
+    assert ckpt.check(target, dict(CONFIG, width=256), match_keys=("width",)) == (
+        4, "checkpoint at step 4 was saved with width=64 but this run has width=256; use another checkpoint "
+           "directory (--workdir) or the same settings")
+    step, problem = ckpt.check(target.replace(policy=get_policy("bf16")))
+    assert step == 4 and "policy='fp16' but this run has policy='bf16'" in problem
+    with pytest.raises(ValueError, match=r"match_keys \['depth'\] are not in expected_config"):
+        ckpt.check(target, dict(CONFIG), match_keys=("depth",))
+    with pytest.raises(CheckpointError, match="no checkpoint step 3"):
+        ckpt.check(target, step=3)
+    ckpt.close()
+    assert _snapshot(tmp_path) == before
+    monkeypatch.undo()
+    with pytest.warns(UserWarning, match="checkpoint step 5 .* is unusable"):  # restore agrees: step 4
+        assert int(Checkpointer(tmp_path).restore(target)[0].step) == int(states[4].step)
+
+
 # 7 -------------------------------------------------------------------------------------------------------------
 
 

@@ -138,9 +138,36 @@ def test_dry_run_prints_sizes_and_compiled_memory_and_writes_nothing(tmp_path, c
         (workdir / "checkpoints").mkdir(parents=True)  # a workdir with checkpoints: said, left as it is
         train(cfg)
         line = capsys.readouterr().out.splitlines()[-1]
-        assert line.endswith(f"; {workdir / 'checkpoints'} holds checkpoints: a run resumes them if its settings "
-                             "match theirs (not checked here)")
+        assert line == f"dry run: {workdir / 'checkpoints'}: no checkpoint: a run would start from step 0"
         assert [p.name for p in workdir.iterdir()] == ["checkpoints"] and not any((workdir / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_dry_run_says_what_a_run_would_do_with_the_workdirs_checkpoints_and_touches_nothing(tmp_path, capsys):
+    """A dry run on a workdir with a checkpoint checks its settings as a resume would (JSON items only): resume,
+    with the layout conversion or precision switch named; finished; or the mismatch a run would stop with."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog; " * 300, encoding="utf-8")
+    workdir = tmp_path / "run"
+    common = dict(data=str(corpus), layers=2, heads=2, width=16, seq_len=16, batch_size=4, workdir=str(workdir),
+                  precision="bf16", eval_every=2, eval_batches=1, progress=False)
+    train(TrainConfig(steps=2, **common))
+    before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*")}
+    capsys.readouterr()
+    held = workdir / "checkpoints"
+    cases = [(dict(steps=4), "a run would resume from step 2 (settings checked, arrays not read)"),
+             (dict(steps=4, scan_layers=True), "a run would resume from step 2 (the blocks stacked (--scan-layers))"),
+             (dict(steps=4, precision="fp32"), "a run would resume from step 2 (precision switched from bf16)"),
+             (dict(steps=2), "step 2 is saved: a run would find it finished (--steps 2; raise it to go on)"),
+             (dict(steps=4, lr=3e-3), "a run would stop: checkpoint at step 2 was saved with lr=0.001 but this run "
+                                      "has lr=0.003; use another checkpoint directory (--workdir) or the same "
+                                      "settings"),
+             (dict(steps=4, precision="fp8"), "a run would stop: the checkpoint in")]
+    for change, said in cases:
+        train(TrainConfig(dry_run=True, **{**common, **change}))
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert line.startswith(f"dry run: {held}: {said}"), (change, line)
+    assert {p: p.stat().st_mtime_ns for p in workdir.rglob("*")} == before  # nothing written, moved or touched
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -8,13 +8,14 @@ the same values, moved).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxamp.checkpoint import Checkpointer, loss_scale_from_record
+from jaxamp.checkpoint import CheckpointError, Checkpointer, loss_scale_from_record
 from jaxamp.lm.config import PRECISION_KEYS, RESUME_MATCH_KEYS, ConfigError, resume_keys, saved_scan_layers
 from jaxamp.lm.log import say
 from jaxamp.lm.model import stack_params, unstack_params
@@ -24,17 +25,31 @@ from jaxamp.sharding import abstract_state
 from jaxamp.state import TrainState
 
 
-def resume_state(run: Run, ckpt: Checkpointer) -> tuple[TrainState, str | None]:
-    """The newest usable checkpoint's state (or the fresh state when the workdir has none), and the precision it was
-    saved with when this run switches to another one (else None)."""
-    if ckpt.latest_step() is None:
-        return run.state, None
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """How this run restores the workdir's newest checkpoint (from its settings alone)."""
+
+    target: TrainState  # the restore target: this run's state in the saved layout and precision
+    expected: dict  # this run's config as the checkpoint's would read (its scan_layers the saved one)
+    match_keys: tuple  # the config keys that must equal the saved ones
+    scanned: bool  # the checkpoint's block layout (--scan-layers)
+    switched_from: str | None  # the saved precision's name when this run switches to another one, else None
+    as_run: bool  # the target is this run's own state (same layout, same policy): nothing to carry over
+
+
+def _plan(run: Run, ckpt: Checkpointer) -> _Plan:
+    """The restore target and the settings to match, read from the newest checkpoint's JSON items.
+
+    Raises:
+      ConfigError: a precision or layout switch that cannot be made (fp8 <-> not, other master weights, frozen
+        params in the other layout).
+    """
     target, match_keys, switched_from = run.state, RESUME_MATCH_KEYS, None
     settings = ckpt.read_settings()  # None if unreadable: restore reports it and falls back
     scanned = saved_scan_layers(None if settings is None else settings[0], run.cfg)  # --scan-layers
     cfg = dataclasses.replace(run.cfg, scan_layers=scanned)  # restore as a run of the saved layout
-    if scanned != run.cfg.scan_layers:
-        target = relaid(run.state, scanned, run.cfg.workdir)
+    if scanned != run.cfg.scan_layers:  # shapes only: `run.state` may be abstract (a dry run)
+        target = jax.eval_shape(functools.partial(relaid, scanned=scanned, workdir=run.cfg.workdir), run.state)
     match_keys = resume_keys(match_keys, None if settings is None else settings[0], cfg)
     if settings is not None and settings[1].get("policy") != policy_name(run.state.policy):
         # Saved under another policy: restore into a target with the saved one, then carry the run over. (A policy
@@ -42,8 +57,40 @@ def resume_state(run: Run, ckpt: Checkpointer) -> tuple[TrainState, str | None]:
         target, saved_name = _saved_precision_target(run, target, *settings)
         if saved_name != policy_name(run.state.policy, rules=False):
             switched_from, match_keys = saved_name, tuple(k for k in match_keys if k not in PRECISION_KEYS)
-    abstract = jax.eval_shape(lambda: target) if run.mesh is None else abstract_state(target, run.mesh)
-    state, _ = ckpt.restore(abstract, {**run.run_config(), "scan_layers": scanned}, match_keys=match_keys,
+    abstract = jax.eval_shape(lambda t: t, target) if run.mesh is None else abstract_state(target, run.mesh)
+    return _Plan(abstract, {**run.run_config(), "scan_layers": scanned}, tuple(match_keys), scanned, switched_from,
+                 target is run.state)
+
+
+def resume_check(run: Run, ckpt: Checkpointer) -> str:
+    """One line on what this run would do with the workdir's checkpoints (the dry run's): resume step N (with the
+    layout conversion or precision switch it would make), or stop with the mismatch `resume_state` would raise.
+    Reads the checkpoints' JSON items only; writes nothing."""
+    try:
+        plan = _plan(run, ckpt)
+        n, problem = ckpt.check(plan.target, plan.expected, match_keys=plan.match_keys)
+    except (ConfigError, CheckpointError) as err:
+        return f"a run would stop: {err}"
+    if problem:
+        return f"a run would stop: {problem}"
+    if n >= run.cfg.steps:
+        return f"step {n} is saved: a run would find it finished (--steps {run.cfg.steps}; raise it to go on)"
+    changes = [f"the blocks {'unstacked' if plan.scanned else 'stacked'} (--scan-layers)"] \
+        if plan.scanned != run.cfg.scan_layers else []
+    if plan.switched_from is not None:
+        changes.append(f"precision switched from {plan.switched_from}")
+    return f"a run would resume from step {n}" + (f" ({', '.join(changes)})" if changes else "") + \
+        " (settings checked, arrays not read)"
+
+
+def resume_state(run: Run, ckpt: Checkpointer) -> tuple[TrainState, str | None]:
+    """The newest usable checkpoint's state (or the fresh state when the workdir has none), and the precision it was
+    saved with when this run switches to another one (else None)."""
+    if ckpt.latest_step() is None:
+        return run.state, None
+    plan = _plan(run, ckpt)
+    target, scanned, switched_from = plan.target, plan.scanned, plan.switched_from
+    state, _ = ckpt.restore(target, plan.expected, match_keys=plan.match_keys,
                             set_aside=Path(run.cfg.workdir) / "unusable-checkpoints")
     if int(state.step) < run.cfg.steps:  # a finished run says "already holds step N" instead: nothing resumes
         say(f"resumed from step {int(state.step)} ({ckpt.directory})")
@@ -53,7 +100,7 @@ def resume_state(run: Run, ckpt: Checkpointer) -> tuple[TrainState, str | None]:
         say(f"layout: the checkpoint's blocks were {'stacked under h' if scanned else unrolled}; "
             f"{'unstacked' if scanned else 'stacked'} for this run {'with' if run.cfg.scan_layers else 'without'} "
             "--scan-layers (params and optimizer state: the same values; its next checkpoints are in this layout)")
-    if target is run.state:
+    if plan.as_run:
         return state, None
     same_scale = (type(state.loss_scale) is type(run.state.loss_scale)
                   and state.loss_scale.config() == run.state.loss_scale.config())

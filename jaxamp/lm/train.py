@@ -29,7 +29,7 @@ from jaxamp.lm.data import eval_batches
 from jaxamp.lm.log import host_records, open_logger, report_fidelity, report_skips, say, summary_line, warn
 from jaxamp.lm.metrics_log import MetricsLogger, read_metrics, record_with, sync_metrics
 from jaxamp.lm.model import count_params
-from jaxamp.lm.resume import resume_state
+from jaxamp.lm.resume import resume_check, resume_state
 from jaxamp.lm.setup import Run, build, device_batch, evaluate, sample_text, step_costs, train_batch
 from jaxamp.lm.stopping import DivergenceError, DivergenceGuard, StopRequest
 from jaxamp.lm.workdir import (
@@ -202,11 +202,22 @@ def dry_run(run: Run) -> dict:
         f"{_flops(costs['flops'])}{per_device}{loops}); memory per device {_bytes(costs['argument_bytes'])} of "
         f"arguments (weights, optimizer state, batch) + {_bytes(costs['temp_bytes'])} of temporaries (activations, "
         f"gradients) + {_bytes(costs['output_bytes'])} of outputs not donated = {_bytes(total)} (XLA's memory "
-        "analysis of this backend's program); nothing trained or written"
-        + (f"; {held} holds checkpoints: a run resumes them if its settings match theirs (not checked here)"
-           if held.is_dir() else ""))
+        "analysis of this backend's program); nothing trained or written")
+    if held.is_dir():
+        say(f"dry run: {held}: {_checkpoints_check(run, held)}")
     return {"dry_run": True, "parameters": n, "tokens_per_step": tokens, "model_flops": model_flops, **costs,
             "peak_bytes_estimate": total}
+
+
+def _checkpoints_check(run: Run, held: Path) -> str:
+    """What a run of this config would do with the checkpoints in `held` (`resume_check`), read-only."""
+    try:
+        ckpt = Checkpointer(held, keep=run.cfg.keep)
+    except CheckpointError as err:
+        return f"a run would stop: {err}"
+    if ckpt.latest_step() is None:
+        return "no checkpoint: a run would start from step 0"
+    return resume_check(run, ckpt)
 
 
 def _flops(n: float) -> str:
