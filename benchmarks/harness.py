@@ -288,6 +288,15 @@ def spread(values: Sequence[float], scale: float = 1.0, fmt: str = ".1f") -> str
     return f"{min(values) * scale:{fmt}}-{max(values) * scale:{fmt}}"
 
 
+def uncached_compiles() -> None:
+    """Every XLA compile of this process is a compile, never a read of a persistent compilation cache: benchmarks
+    time and count compiles, and a `JAX_COMPILATION_CACHE_DIR` set by the user (or by `.ci/run` for the tests and
+    the scripts they start) would turn them into cache reads. Call it before the first compile."""
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
 class CompileEvents:
     """jax.monitoring's trace, lowering and XLA backend-compile events, counted and timed per label (the label set
     by `attribute` while they happen). One per process: `compile_events()`."""
@@ -299,6 +308,7 @@ class CompileEvents:
     def __init__(self):
         import jax
 
+        uncached_compiles()
         self.label: str | None = None
         self.counts: dict[tuple[str, str], int] = {}
         self.seconds: dict[tuple[str, str], float] = {}

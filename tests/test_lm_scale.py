@@ -168,6 +168,10 @@ def test_dry_run_says_what_a_run_would_do_with_the_workdirs_checkpoints_and_touc
         line = capsys.readouterr().out.splitlines()[-1]
         assert line.startswith(f"dry run: {held}: {said}"), (change, line)
     assert {p: p.stat().st_mtime_ns for p in workdir.rglob("*")} == before  # nothing written, moved or touched
+    (held / "notes.txt").write_text("not a checkpoint")  # a folder the run would refuse: said, left as it is
+    train(TrainConfig(dry_run=True, **{**common, "steps": 4}))
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith(f"dry run: {held}: a run would stop: ") and "notes.txt" in line, line
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxamp.checkpoint import CheckpointError, Checkpointer, loss_scale_from_record
+from jaxamp.checkpoint import Checkpointer, CheckpointError, loss_scale_from_record
 from jaxamp.lm.config import PRECISION_KEYS, RESUME_MATCH_KEYS, ConfigError, resume_keys, saved_scan_layers
 from jaxamp.lm.log import say
 from jaxamp.lm.model import stack_params, unstack_params

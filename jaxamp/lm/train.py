@@ -21,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxamp.audit import PrecisionWarning
-from jaxamp.checkpoint import Checkpointer, CheckpointSaveError
+from jaxamp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
 from jaxamp.fp8_collection import split_fp8
 from jaxamp.lm.config import ConfigError, TrainConfig, validate_scale_out
 from jaxamp.lm.corpus import write_bpe_cache
