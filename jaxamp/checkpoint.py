@@ -483,6 +483,12 @@ class Checkpointer:
         Steps are tried newest first, as `restore` tries them; one whose config or integrity record cannot be read
         is passed over (`restore` would pass it over too, with a warning).
 
+        Args:
+          abstract_state: the restore target, as for `restore` (shapes, dtypes, static fields).
+          expected_config: this run's settings; needed when `match_keys` is not empty.
+          match_keys: config keys that must equal the saved ones.
+          step: check exactly this step instead of the newest readable one.
+
         Returns:
           `(step, problem)`: the step `restore` would restore, and None when its settings and structure match, or
           the one line `restore` would raise as a `CheckpointMismatchError`.
