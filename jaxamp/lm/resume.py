@@ -75,11 +75,11 @@ def resume_check(run: Run, ckpt: Checkpointer) -> str:
         return f"a run would stop: {problem}"
     if n >= run.cfg.steps:
         return f"step {n} is saved: a run would find it finished (--steps {run.cfg.steps}; raise it to go on)"
-    changes = [f"the blocks {'unstacked' if plan.scanned else 'stacked'} (--scan-layers)"] \
+    changes = [f"its blocks {'unstacked without' if plan.scanned else 'stacked for'} --scan-layers"] \
         if plan.scanned != run.cfg.scan_layers else []
     if plan.switched_from is not None:
-        changes.append(f"precision switched from {plan.switched_from}")
-    return f"a run would resume from step {n}" + (f" ({', '.join(changes)})" if changes else "") + \
+        changes.append(f"its precision switched from {plan.switched_from}")
+    return f"a run would resume from step {n}" + "".join(f", {c}" for c in changes) + \
         " (settings checked, arrays not read)"
 
 
