@@ -156,8 +156,9 @@ def test_dry_run_says_what_a_run_would_do_with_the_workdirs_checkpoints_and_touc
     capsys.readouterr()
     held = workdir / "checkpoints"
     cases = [(dict(steps=4), "a run would resume from step 2 (settings checked, arrays not read)"),
-             (dict(steps=4, scan_layers=True), "a run would resume from step 2, its blocks stacked for --scan-layers (settings"),
-             (dict(steps=4, precision="fp32"), "a run would resume from step 2, its precision switched from bf16 (settings"),
+             (dict(steps=4, scan_layers=True),
+              "a run would resume from step 2, its blocks stacked for --scan-layers (settings"),
+             (dict(steps=4, precision="fp32"), "a run would resume from step 2, its precision switched from bf16 ("),
              (dict(steps=2), "step 2 is saved: a run would find it finished (--steps 2; raise it to go on)"),
              (dict(steps=4, lr=3e-3), "a run would stop: checkpoint at step 2 was saved with lr=0.001 but this run "
                                       "has lr=0.003; use another checkpoint directory (--workdir) or the same "
