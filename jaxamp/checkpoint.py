@@ -448,13 +448,8 @@ class Checkpointer:
             shape or dtype.
         """
         match_keys = tuple(match_keys)
-        missing = [k for k in match_keys if expected_config is None or k not in expected_config]
-        if missing:
-            raise ValueError(f"match_keys {missing} are not in expected_config")
-        self.wait()
-        self._check_directory()
+        target = self._restore_target(abstract_state, expected_config, match_keys)
         candidates = self._candidates(step)
-        target = storage.restore_target(abstract_state)
         failures = []
         for n in candidates:
             try:
@@ -497,12 +492,7 @@ class Checkpointer:
           CheckpointError: the directory holds no step, non-checkpoint entries, or no readable step.
           ValueError: a `match_keys` entry is missing from `expected_config`.
         """
-        missing = [k for k in match_keys if expected_config is None or k not in expected_config]
-        if missing:
-            raise ValueError(f"match_keys {missing} are not in expected_config")
-        self.wait()
-        self._check_directory()
-        target = storage.restore_target(abstract_state)
+        target = self._restore_target(abstract_state, expected_config, tuple(match_keys))
         failures = []
         for n in self._candidates(step):
             try:
@@ -514,6 +504,16 @@ class Checkpointer:
             return n, mismatch(n, self._dir, config, record, legacy_target(record, target), expected_config,
                                tuple(match_keys))
         raise CheckpointError(f"no readable checkpoint in {self._dir}: {'; '.join(failures)}")
+
+    def _restore_target(self, abstract_state, expected_config, match_keys: tuple):
+        """`restore`'s and `check`'s preamble: the arguments checked, a pending save waited for, the directory
+        checked; returns the target on the default device. Raises ValueError or CheckpointError."""
+        missing = [k for k in match_keys if expected_config is None or k not in expected_config]
+        if missing:
+            raise ValueError(f"match_keys {missing} are not in expected_config")
+        self.wait()
+        self._check_directory()
+        return storage.restore_target(abstract_state)
 
     def _candidates(self, step: int | None) -> list[int]:
         """The steps `restore` tries, in order: `step` alone, or every step on disk newest first."""
