@@ -51,6 +51,8 @@ def make_state(policy: str, scale: float = 2.0**15, growth_interval: int = 2000)
     loss_scale = DynamicLossScale(scale, growth_interval=growth_interval) if SCALED[policy] else NoOpLossScale()
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, b1=0.9, b2=0.95, weight_decay=0.1))
     keep = LM_KEEP_FLOAT32 if policy != "fp32" else ()
+    if policy == "fp8":  # the variables dict: its paths start with "params/" (as jaxamp.lm.setup does it)
+        keep = tuple(f"params/{p}" for p in keep)
     return TrainState.create(params=params, tx=tx, policy=get_policy(policy, keep_float32=keep),
                              loss_scale=loss_scale, rng=jax.random.key(1))
 
