@@ -110,8 +110,8 @@ def _where(eqn) -> tuple[str, str]:
 
 
 def _fp8_formats(eqn) -> tuple[str, str] | None:
-    """The FP8 formats of a matmul on dequantized FP8 operands (`jaxamp.fp8_recipes` names its scope after them:
-    the dot itself is float32 x float32 on `convert(f8) * scale`), or None."""
+    """The FP8 formats of a `jaxamp.fp8_recipes` matmul (it names its scope after them: a per-tile recipe's dot is
+    float32 x float32 on `convert(f8) * scale`), or None."""
     for entry in reversed(getattr(eqn.source_info.name_stack, "stack", ())):
         name = str(getattr(entry, "name", entry))
         if name.startswith(FP8_SCOPE + ":"):

@@ -22,17 +22,18 @@ activation), `w: bf16[k, n]` (rhs, the weight) and output gradient `g: bf16[...,
 scheme, TE `MXFP8BlockScaling` / `jax.nn.scaled_dot_general`'s mxfp8 config.) The forward computes the backward's
 quantized copies of x and w and keeps only them (FP8 data and float32 scales) as residuals, as TE does.
 
-On a GPU: XLA's GEMM rewriter (`xla/service/gpu/transforms/gemm_rewriter.cc`) turns a dot whose operands are each
-`convert(f8 -> wider) * broadcast(scalar scale)` (or `/`), possibly followed by transposes and reshapes, into one
-cuBLASLt FP8 GEMM with the scales as its A/B scale factors, on sm_89+ with CUDA 12+, when the scales are scalars, not
-both operands are e5m2, each operand has one contracting and one non-contracting dim (besides batch dims), and the
-output is bf16/f16/f32. `current` is written to that pattern (operands reshaped to `[batch?, rows, k]` first, scalar
-scales, `preferred_element_type=float32`): its forward (e4m3 x e4m3), dgrad and wgrad (e5m2 x e4m3) each present it,
-so a Hopper can run them as FP8 GEMMs as it does Flax's delayed-scaling ops (the tests check the pattern in the
-jaxpr; that the rewrite fires is for a GPU run to confirm). `block` and `mxfp8` scales are per tile, which that
-rewrite refuses: `block` runs as float32 GEMMs on dequantized operands, numerics only, until a block-scaled kernel
-is used (DeepGEMM's on Hopper). `mxfp8` calls `jax.nn.scaled_dot_general` on a Blackwell GPU (`mx_kernel`), whose
-MXFP8 tensor cores it reaches through cuDNN, and runs as numerics elsewhere.
+On a GPU: `current`'s three GEMMs (forward e4m3 x e4m3; dgrad and wgrad e5m2 x e4m3) are dots of the FP8 tensors
+themselves, `dot_general(f8[b?, m, k], f8[b?, n, k], preferred_element_type=float32) * (scale_a * scale_b)`, so
+XLA:GPU runs them as FP8 GEMMs whichever kernel it picks: a Triton GEMM fusion with FP8 operands, or cuBLASLt's FP8
+GEMM (`__cublas$lt$matmul$f8`, the output scale folded in). The first version of this module dequantized first
+(`convert(f8 -> f32) * scale`, the pattern XLA's GEMM rewriter matches); on an H200 (jax 0.11.2, 2026-12-04) the
+compiled GPT-2 step held no FP8 GEMM at all (0 of 183 GEMMs; 0.46x bf16 tokens/s). A deviceless XLA:GPU compile
+for sm_90 (`benchmarks/gpu_compile.py`) shows why: XLA's Triton GEMM rewriter wraps such a dot, float32 operands
+and all, before its FP8 rewrite runs (the new form: 24 of 24 weight GEMMs of a 2-layer GPT-2 on FP8 operands there).
+`block` and `mxfp8` scales are per tile, which neither kernel takes: `block` runs as float32 GEMMs on dequantized
+operands, numerics only, until a block-scaled kernel is used (DeepGEMM's on Hopper). `mxfp8` calls
+`jax.nn.scaled_dot_general` on a Blackwell GPU (`mx_kernel`), whose MXFP8 tensor cores it reaches through cuDNN,
+and runs as numerics elsewhere.
 """
 
 from __future__ import annotations
@@ -131,11 +132,19 @@ def _transposed(qs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
 
 def _dot(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], op_a: Operand, op_b: Operand,
          precision) -> jax.Array:
-    """`dequant(a) [.., p, c] . dequant(b) [.., q, c]` over c with float32 accumulation: `f32[.., p, q]`."""
-    lhs, rhs = dequantize(*a, op_a.tile), dequantize(*b, op_b.tile)  # convert(f8 -> f32) * scale
-    batch = tuple(range(lhs.ndim - 2))
-    dims = (((lhs.ndim - 1,), (rhs.ndim - 1,)), (batch, batch))
+    """`dequant(a) [.., p, c] . dequant(b) [.., q, c]` over c with float32 accumulation: `f32[.., p, q]`.
+
+    Per-tensor scales (both operands): the FP8 values themselves are the dot's operands (`f8 . f8 -> f32`, the FP8
+    GEMM whatever XLA's GEMM rewrites and autotuner pick) and the two scalar scales multiply its output. Per-tile
+    scales: the dot runs on the dequantized float32 operands (numerics)."""
+    qa, qb = a[0], b[0]
+    batch = tuple(range(qa.ndim - 2))
+    dims = (((qa.ndim - 1,), (qb.ndim - 1,)), (batch, batch))
     with jax.named_scope(fp8_scope(op_a.dtype, op_b.dtype)):  # the precision audit reads the FP8 formats here
+        if op_a.tile is None and op_b.tile is None:
+            out = lax.dot_general(qa, qb, dims, precision=precision, preferred_element_type=jnp.float32)
+            return out * (a[1] * b[1])  # f32[.., p, q] * f32[]
+        lhs, rhs = dequantize(*a, op_a.tile), dequantize(*b, op_b.tile)  # convert(f8 -> f32) * per-tile scales
         return lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
@@ -232,10 +241,11 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision
     `f32[d, heads, head_dim]`); any dimension numbers `lax.dot_general` takes (batch dims, several contracting
     dims): the operands are transposed and reshaped to `[batch, rows, k]` / `[batch, n, k]` (batch dims, free dims
     and contracting dims each flattened into one), so tiles run along the flattened contraction. The forward
-    dequantizes (`convert(f8 -> f32) * scale`) and contracts with float32 accumulation; the result is
-    `compute_dtype` (`preferred_element_type` instead where given: `jnp.einsum` passes its operands' result type).
-    The backward quantizes the output gradient (e5m2 for `current`, e4m3 otherwise) and returns cotangents in the
-    operands' dtypes. `precision` goes to the inner float32 dots.
+    contracts with float32 accumulation: the FP8 values themselves, times the two per-tensor scales afterwards
+    (`current`), or the operands dequantized per tile (`convert(f8 -> f32) * scale`: `block`, `mxfp8`); the
+    result is `compute_dtype` (`preferred_element_type` instead where given: `jnp.einsum` passes its operands'
+    result type). The backward quantizes the output gradient (e5m2 for `current`, e4m3 otherwise) and returns
+    cotangents in the operands' dtypes. `precision` goes to the inner dots.
 
     Fits `nn.Dense(dot_general=...)` and `jnp.einsum(..., _dot_general=...)` (through `recipe_dot_general`); in an
     einsum the operand that reaches rhs is the weight: write the activation first (`"btd,dk->btk"`; einsum swaps the

@@ -309,36 +309,41 @@ def test_quantizations_in_the_jaxpr(recipe, forward, backward):
     assert _fp8_converts(jax.make_jaxpr(grad)(x, w).jaxpr) == backward
 
 
-def _dequantized_fp8(var, producers, layout_ops=("transpose", "reshape")) -> bool:
-    """Whether `var` is `convert(f8 -> f32) * scalar`, possibly through transposes and reshapes: XLA's pattern."""
+def _fp8_value(var, producers, layout_ops=("transpose", "reshape")) -> bool:
+    """Whether `var` is an FP8 array (possibly through transposes and reshapes of one)."""
     eqn = producers.get(var)
-    while eqn is not None and eqn.primitive.name in layout_ops:
-        eqn = producers.get(eqn.invars[0])
-    if eqn is None or eqn.primitive.name != "mul":
-        return False
-
-    def from_fp8(v):
-        e = producers.get(v)
-        return (e is not None and e.primitive.name == "convert_element_type"
-                and jnp.issubdtype(e.invars[0].aval.dtype, jnp.floating) and e.invars[0].aval.dtype.itemsize == 1)
-
-    a, b = eqn.invars
-    return (from_fp8(a) and b.aval.shape == ()) or (from_fp8(b) and a.aval.shape == ())
+    while eqn is not None and eqn.primitive.name in layout_ops and var.aval.dtype.itemsize == 1:
+        var, eqn = eqn.invars[0], producers.get(eqn.invars[0])
+    return jnp.issubdtype(var.aval.dtype, jnp.floating) and var.aval.dtype.itemsize == 1
 
 
-def _gemm_pattern(recipe) -> list[bool]:
+def _scaled_by_scalars(out, users) -> bool:
+    """Whether the dot's float32 output `out` is next multiplied by a float32 scalar (the product of the scales)."""
+    return any(e.primitive.name == "mul" and any(v is not out and v.aval.shape == () for v in e.invars)
+               for e in users.get(out, []))
+
+
+def _gemms(recipe) -> list[tuple]:
+    """Each GEMM of the recipe's value-and-gradient jaxpr: (operand dtypes, output dtype, scaled by scalars?)."""
     x, w = normal(22, (64, 128)), normal(23, (128, 64))
     jaxpr = jax.make_jaxpr(jax.grad(functools.partial(_loss, recipe), argnums=(0, 1)))(x, w).jaxpr
     producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    users = {}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if not isinstance(v, jex.Literal):
+                users.setdefault(v, []).append(e)
     dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 3  # forward, dgrad, wgrad
-    assert all(e.params["preferred_element_type"] == jnp.float32 for e in dots)
-    return [_dequantized_fp8(v, producers) for e in dots for v in e.invars]
+    return [(tuple(_fp8_value(v, producers) for v in e.invars), e.outvars[0].aval.dtype,
+             _scaled_by_scalars(e.outvars[0], users)) for e in dots]
 
 
-def test_current_presents_the_fp8_gemm_pattern_and_tiled_recipes_do_not():
-    assert _gemm_pattern("current") == [True] * 6  # every operand of the 3 GEMMs: convert(f8) * scalar scale
-    assert not any(_gemm_pattern("block"))  # per-tile scales: not the scalar the rewrite needs
+def test_current_gemms_take_the_fp8_values_and_tiled_recipes_do_not():
+    """`current`: each of the 3 GEMMs contracts the FP8 tensors themselves (`f8 . f8 -> f32`, an FP8 GEMM whichever
+    kernel XLA:GPU picks), its output times the scalar scales; tiled scales: float32 GEMMs on dequantized operands."""
+    assert _gemms("current") == [((True, True), jnp.float32, True)] * 3
+    assert all(fp8 == (False, False) and dtype == jnp.float32 for fp8, dtype, _ in _gemms("block"))
 
 
 # --- mxfp8 against jax.nn.scaled_dot_general ---
