@@ -3,6 +3,13 @@
 `dot_product_attention` is `jax.nn.dot_product_attention` for half-precision query, key and value: cuDNN's fused
 kernel on a GPU (its softmax runs in float32 inside the kernel), else JAX's XLA path on float32 copies of the inputs,
 the output cast back to the inputs' dtype. jaxamp's LM uses it; so can any model's attention.
+
+Under `jaxamp.autocast` (torch.amp's autocast runs `scaled_dot_product_attention` in the compute dtype, its flash
+kernels included) a call of it runs as attention in the compute dtype: float32 query, key and value (float32 model
+code) are cast to bfloat16/float16 and go to cuDNN's fused kernel on a GPU, its output in the compute dtype. The
+call is one named `jax.jit` (`ATTENTION_JIT_NAMES`) so that autocast can find it in the traced program; where cuDNN
+does not apply (a CPU, a mask, a head size it refuses), autocast runs the call's traced body under its op classes
+(the two matmuls in the compute dtype, the softmax in float32).
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["dot_product_attention"]
+__all__ = ["ATTENTION_JIT_NAMES", "cudnn_attention", "dot_product_attention"]
 
 
 def dot_product_attention(
@@ -70,9 +77,13 @@ def dot_product_attention(
             f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}; "
             f"cast them explicitly"
         )
+    return (_causal_attention if is_causal else _attention)(query, key, value, mask)
+
+
+def _island(query, key, value, mask, is_causal: bool) -> jax.Array:
     dtype = query.dtype
     if jnp.finfo(dtype).bits < 32:
-        fused = _cudnn_attention(query, key, value, mask=mask, is_causal=is_causal)
+        fused = cudnn_attention(query, key, value, mask=mask, is_causal=is_causal)
         if fused is not None:
             return fused
         query, key, value = (a.astype(jnp.float32) for a in (query, key, value))
@@ -80,14 +91,37 @@ def dot_product_attention(
     return out.astype(dtype)
 
 
-def _cudnn_attention(query, key, value, *, mask, is_causal) -> jax.Array | None:
+# The jits' names are what `jaxamp.autocast` looks for: name -> is_causal.
+ATTENTION_JIT_NAMES = {"jaxamp_attention": False, "jaxamp_causal_attention": True}
+
+
+def _named_jit(name: str, is_causal: bool):
+    def core(query, key, value, mask):
+        return _island(query, key, value, mask, is_causal)
+
+    core.__name__ = core.__qualname__ = name  # the jit equation's `name` param
+    return jax.jit(core)
+
+
+_attention, _causal_attention = (_named_jit(name, causal) for name, causal in ATTENTION_JIT_NAMES.items())
+
+
+def cudnn_attention(query, key, value, *, mask=None, is_causal=False) -> jax.Array | None:
     """cuDNN's fused attention for float16/bfloat16 on a GPU (softmax in float32 inside the kernel), else None.
 
     Used only on the GPU backend (``jax.nn.dot_product_attention(..., implementation="cudnn")``; its default
-    ``implementation=None`` picks the XLA path). Shapes or head sizes that cuDNN rejects at trace time fall back to
-    the float32 XLA island. Not exercised on CPU, where the tests run.
+    ``implementation=None`` picks the XLA path) and without a mask. Shapes or head sizes that cuDNN rejects at
+    trace time give None too (the caller falls back). Not exercised on CPU, where the tests run.
+
+    Args:
+        query, key, value: ``f16|bf16[batch, seq, heads, head_dim]``, one dtype.
+        mask: must be None for the fused kernel (a mask gives None).
+        is_causal: Apply a causal (lower-triangular) mask.
+
+    Returns:
+        ``[batch, q_seq, heads, head_dim]`` in the inputs' dtype, or None.
     """
-    if jax.default_backend() != "gpu" or mask is not None:
+    if jax.default_backend() != "gpu" or mask is not None or jnp.finfo(query.dtype).bits >= 32:
         return None
     try:
         with jax.numpy_dtype_promotion("standard"):  # jax's own promote_types(dtype, float32) inside

@@ -49,7 +49,10 @@ Casts and constants:
 Control flow and calls, re-bound through JAX's public API, their inner jaxprs interpreted under the same rules:
 
 * nested `jit` and `closed_call`: inlined; the shardings a nested jit specified for its inputs and outputs become
-  `jax.lax.with_sharding_constraint`s.
+  `jax.lax.with_sharding_constraint`s. One exception, torch.amp's `scaled_dot_product_attention` rule: the jit of a
+  `jaxamp.attention.dot_product_attention` call (`ATTENTION_JIT_NAMES`) without a mask runs as cuDNN's fused
+  attention on its query, key and value cast to the compute dtype (its output in that dtype) on a GPU; elsewhere,
+  or where cuDNN refuses the shapes, it is inlined like any jit.
 * `scan` (`lax.scan`, `lax.map`, `fori_loop` with static bounds, `flax.linen.scan`, `nnx.scan`): `jax.lax.scan`
   over the interpreted body; carries keep their original dtype (the initial carry and the body's new carry are cast
   to it), stacked outputs take the dtypes the body gives them.
@@ -118,6 +121,7 @@ from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
 from jaxamp import autocast_rules as rules
+from jaxamp.attention import ATTENTION_JIT_NAMES, cudnn_attention
 from jaxamp.autocast_rules import (
     AutocastError,
     Mode,
@@ -399,12 +403,27 @@ def _closed_fn(closed, mode: Mode, names: Sequence | None = None) -> Callable[..
 
 
 def _jit_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
-    """Nested jit: inlined (interpreted in place); specified in/out shardings become sharding constraints."""
+    """Nested jit: inlined (interpreted in place); specified in/out shardings become sharding constraints.
+    `jaxamp.attention.dot_product_attention`'s jit: cuDNN's fused attention in the compute dtype where it applies."""
     params = eqn.params
+    fused = _fused_attention(eqn, vals, mode)
+    if fused is not None:
+        return [fused]
     vals = _constrain(vals, params.get("in_shardings"))
     closed = params["jaxpr"]
     outs = interpret(closed.jaxpr, closed.consts, vals, mode, bounds, names)
     return _constrain(outs, params.get("out_shardings"))
+
+
+def _fused_attention(eqn, vals, mode: Mode):
+    """A `jaxamp.attention` call as torch.amp runs `scaled_dot_product_attention`: query, key and value cast to the
+    compute dtype and cuDNN's fused kernel (on a GPU, no mask); None where that does not apply."""
+    is_causal = ATTENTION_JIT_NAMES.get(eqn.params.get("name"))
+    if is_causal is None or mode.reference or len(vals) != 3:  # vals: query, key, value (a mask would be 4th)
+        return None
+    if not all(dtype_of(v) in rules.ELIGIBLE for v in vals):
+        return None
+    return cudnn_attention(*(cast(v, mode.compute) for v in vals), is_causal=is_causal)
 
 
 def _constrain(vals: list, shardings) -> list:

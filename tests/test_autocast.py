@@ -892,3 +892,59 @@ def test_sharded_arrays_and_shard_map_on_8_cpu_devices():
     proc = subprocess.run([sys.executable, "-c", SHARDED_CHILD], check=False, capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0 and "SHARDED OK" in proc.stdout, proc.stderr[-3000:]
+
+
+# --- jaxamp.attention under autocast: torch.amp's scaled_dot_product_attention rule ---
+
+def _attention_model(mask=None):
+    from jaxamp.attention import dot_product_attention
+
+    def f(x, w):  # x f32[2, 16, 32], w f32[32, 96]: q, k, v projections, then causal attention
+        q, k, v = jnp.split((x @ w).reshape(2, 16, 2, 48), 3, axis=-1)  # [batch, seq, heads, head_dim] each
+        return dot_product_attention(q, k, v, is_causal=mask is None, mask=mask).sum()
+    return f
+
+
+def _attention_inputs():
+    return normal(60, (2, 16, 32)), normal(61, (32, 96), 0.2)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_attention_runs_as_the_fused_kernel_in_the_compute_dtype(dtype, monkeypatch):
+    """Under autocast a `jaxamp.attention.dot_product_attention` call of float32 code takes query, key and value in
+    the compute dtype to cuDNN's kernel (here a stand-in that records its inputs: the CPU has no cuDNN), causal as
+    called; its output comes back in the compute dtype, and the gradient flows through it."""
+    from jaxamp import autocasting
+    calls = []
+
+    def fake_cudnn(q, k, v, *, mask=None, is_causal=False):
+        calls.append((q.dtype, k.dtype, v.dtype, mask, is_causal))
+        return (q.astype(jnp.float32) * 2.0).astype(q.dtype)  # a kernel's output: the inputs' dtype
+    monkeypatch.setattr(autocasting, "cudnn_attention", fake_cudnn)
+    x, w = _attention_inputs()
+    jaxpr = jax.make_jaxpr(jax.grad(autocast(_attention_model(), dtype), argnums=1))(x, w)
+    assert calls == [(dtype, dtype, dtype, None, True)], calls
+    assert not any(e.params.get("name") == "jaxamp_causal_attention" for e in jaxpr.eqns)
+    q = (x.astype(dtype) @ w.astype(dtype)).reshape(2, 16, 2, 48)[..., :16]
+    got = autocast(_attention_model(), dtype)(x, w)
+    want = (q.astype(jnp.float32) * 2.0).astype(dtype).astype(jnp.float32).sum()
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-2)
+
+
+def test_attention_without_a_kernel_is_inlined_and_reference_and_masks_never_call_it(monkeypatch):
+    """Where cuDNN gives None (a CPU), the call is interpreted as any jit: bitwise what autocast of the inlined body
+    gives; float32_reference and a masked call never ask for the kernel."""
+    from jaxamp import autocasting
+    calls = []
+    monkeypatch.setattr(autocasting, "cudnn_attention", lambda *a, **k: calls.append(k) or None)
+    x, w = _attention_inputs()
+    got = jax.jit(autocast(_attention_model(), BF))(x, w)
+    assert len(calls) == 1
+    monkeypatch.setattr(autocasting, "ATTENTION_JIT_NAMES", {})  # autocast no longer recognises the call
+    np.testing.assert_array_equal(got, jax.jit(autocast(_attention_model(), BF))(x, w))
+    monkeypatch.undo()
+    monkeypatch.setattr(autocasting, "cudnn_attention", lambda *a, **k: calls.append(k) or None)
+    calls.clear()
+    float32_reference(_attention_model())(x, w)
+    autocast(_attention_model(mask=jnp.tril(jnp.ones((16, 16), bool))), BF)(x, w)
+    assert calls == []
