@@ -91,12 +91,17 @@ def test_fp8_state_and_params_are_bitwise_identical_under_static_loss_scales_1_a
         runs.append(model)
     assert bits(nnx.state(runs[0], Fp8Meta)) == bits(nnx.state(runs[1], Fp8Meta))
     assert fp8_of(runs[1])["output_grad_scale"][0] < 1e-2  # stored loss-scale free (not 2^10 larger)
-    # The kernels' gradients come out of the FP8 op: bitwise the same too. l1's bias gradient is a float16 sum of
-    # the output gradient outside it, which at scale 1 loses subnormals (measured: 2 of 32 elements, 1.2e-6 off).
-    kernels = [bits((m.l1.kernel, m.l2.kernel)) for m in runs]
-    assert kernels[0] == kernels[1]
+    # The kernels' gradients come out of the FP8 op: bitwise the same too under bf16 compute. Under float16, l1's
+    # output gradient reaches the FP8 op through float16 ops (tanh's derivative) that at scale 1 lose subnormals,
+    # and its bias gradient is a float16 sum of it: how many depends on the CPU's float16 arithmetic (XLA:CPU on
+    # AVX512-FP16 rounds float16 ops natively: 9 of l1's 256 kernel entries 8.4e-6 off after 3 steps, measured on
+    # a Xeon; bitwise on an EPYC without AVX-512). l2's kernel (its gradient is the loss's own) stays bitwise.
     if policy == "fp8":
         assert bits(nnx.state(runs[0], nnx.Param)) == bits(nnx.state(runs[1], nnx.Param))
+    else:
+        assert bits(runs[0].l2.kernel) == bits(runs[1].l2.kernel)
+        np.testing.assert_allclose(np.asarray(runs[0].l1.kernel[...]), np.asarray(runs[1].l1.kernel[...]),
+                                   rtol=0, atol=5e-5)
 
 
 def snapshot(model, opt):
