@@ -17,6 +17,9 @@ tutorial's CNN, ESM2 in Equinox, Hugging Face's Flax GPT-2), built at tiny sizes
 - 40 steps of `train_step` (Adam 1e-3, the trial's batches) under the autocast policy against float32, and float32
   from the weights rounded once to bfloat16 (its own noise): the mean |loss difference| over the steps, and their
   ratio (within float32's noise when the ratio is at most 1.5). bfloat16 is the yardstick for both policies.
+- the same yardstick as a spread (`--noise-samples N`, default 5): float32 from N perturbations of the weights as
+  large as one rounding to bfloat16 (each weight moved by its rounding error with a random sign, keys 0..N-1), so
+  that one mixed run's gap is set against how much one rounding's noise varies, not against one draw of it.
 """
 
 from __future__ import annotations
@@ -46,10 +49,10 @@ POLICIES = {"bf16;autocast": lambda: jaxamp.NoOpLossScale(), "fp16;autocast": la
 class Runner:
     """One trial under one policy: an optimizer state, a step, the audit and the fidelity report."""
 
-    def __init__(self, name: str, policy: str, loss_scale, rounded_to=None):
+    def __init__(self, name: str, policy: str, loss_scale, rounded_to=None, rounding_key=None):
         self.trial = TRIALS[name]()
         if rounded_to is not None:
-            self._round(rounded_to)
+            self._round(rounded_to, rounding_key)
         self.policy, self.tx = policy, optax.adam(1e-3)
         self.batch = self.trial.make_batch(jax.random.key(0))
         with jax.numpy_dtype_promotion("standard"):
@@ -60,16 +63,21 @@ class Runner:
                                                       loss_scale=loss_scale, rng=jax.random.key(1))
                 self.step_fn = jax.jit(jaxamp.train_step, static_argnames="loss_fn")
 
-    def _round(self, dtype) -> None:
-        """The float32 weights rounded once to `dtype` (and kept float32)."""
-        cast = lambda x: x.astype(dtype).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+    def _round(self, dtype, key=None) -> None:
+        """The float32 weights rounded once to `dtype` (and kept float32); with `key`, moved by that rounding's error
+        with random signs (`signed_rounding`)."""
+        def cast(tree):
+            leaves, treedef = jax.tree.flatten(tree)
+            keys = [None] * len(leaves) if key is None else list(jax.random.split(key, len(leaves)))
+            return treedef.unflatten([
+                x if not jnp.issubdtype(x.dtype, jnp.floating) else
+                x.astype(dtype).astype(x.dtype) if k is None else signed_rounding(x, k) for x, k in zip(leaves, keys)])
         if self.trial.kind == "nnx":
             from flax import nnx
 
-            params = nnx.state(self.trial.model, nnx.Param)
-            nnx.update(self.trial.model, jax.tree.map(cast, params))
+            nnx.update(self.trial.model, cast(nnx.state(self.trial.model, nnx.Param)))
         else:
-            self.trial.params = jax.tree.map(cast, self.trial.params)
+            self.trial.params = cast(self.trial.params)
 
     def audit(self):
         with jax.numpy_dtype_promotion("standard"):
@@ -106,6 +114,14 @@ class Runner:
         return out
 
 
+def signed_rounding(x: jax.Array, key: jax.Array) -> jax.Array:
+    """f32 `x` moved by its round-to-nearest bfloat16 error with a random sign per element: `x + s * (bf16(x) - x)`,
+    `s` = +-1. Every element moves exactly as far as rounding moves it (the result need not be a bfloat16 value):
+    a draw from the perturbations of one rounding's size, of which rounding to nearest is the all-plus one."""
+    err = x.astype(jnp.bfloat16).astype(x.dtype) - x  # f32[x.shape]
+    return x + jnp.where(jax.random.bernoulli(key, 0.5, x.shape), err, -err)
+
+
 def _carried(batch: dict) -> dict:
     return {"batch_stats": batch["batch_stats"]} if "batch_stats" in batch else {}
 
@@ -125,11 +141,14 @@ def gradient_row(report: dict) -> dict:
     return {"within": within, "counted": counted, "near_zero": near, "worst": worst}
 
 
-def measure(name: str, steps: int) -> dict:
+def measure(name: str, steps: int, noise_samples: int) -> dict:
     cast = Runner(name, "bf16", jaxamp.NoOpLossScale()).audit()
     fp32 = Runner(name, "fp32", jaxamp.NoOpLossScale()).losses(steps)
-    row = {"kind": TRIALS[name]().kind, "cast": cast, "policies": {}}
     noise = Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16).losses(steps)
+    spread = [float(np.mean(np.abs(np.subtract(Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16,
+                                                      rounding_key=jax.random.key(k)).losses(steps), fp32))))
+              for k in range(noise_samples)]
+    row = {"kind": TRIALS[name]().kind, "cast": cast, "policies": {}, "spread": sorted(spread)}
     for policy, loss_scale in POLICIES.items():
         runner = Runner(name, policy, loss_scale())
         audit, grads = runner.audit(), gradient_row(runner.fidelity())
@@ -142,6 +161,7 @@ def measure(name: str, steps: int) -> dict:
 
 
 def report(rows: dict, steps: int, argv) -> str:
+    n_spread = max((len(r["spread"]) for r in rows.values()), default=0)
     lines = ["# Autocast on six outside model codebases (model code unchanged)", "",
              f"- command: `{harness.command_line(__file__, argv)}`", f"- machine: {harness.machine()}",
              f"- date: {harness.now()}", f"- {steps} training steps per run; Adam 1e-3; the trials' own batches", "",
@@ -163,15 +183,30 @@ def report(rows: dict, steps: int, argv) -> str:
                 else "-"
             ratio = p["gap"] / p["noise"] if p["noise"] > 0 else float("inf")
             table.append([name, policy, f"{g['within']}/{g['counted']}", str(g["near_zero"]), worst,
-                          f"{p['gap']:.2e}", f"{p['noise']:.2e}", f"{ratio:.2f}", "yes" if ratio <= 1.5 else "no"])
+                          f"{p['gap']:.2e}", f"{p['noise']:.2e}", f"{ratio:.2f}", "yes" if ratio <= 1.5 else "no",
+                          *spread_cells(p["gap"], r["spread"])])
     lines += harness.table(["model", "policy", "leaves within max(2%, 1.5x floor)", "near-zero leaves",
                             "worst leaf (error / its noise floor)", "loss gap to fp32 (mean abs)",
-                            "fp32's own noise", "ratio", "within noise (<= 1.5)"], table, "llrrlrrrl")
+                            "fp32's own noise", "ratio", "within noise (<= 1.5)",
+                            "fp32's noise, signed roundings (min / median / max)", "ratio to median",
+                            "within 1.5x median"], table, "llrrlrrrlrrl")
     lines += ["", "The noise floor of a leaf: its float32 gradient at the weights rounded once to bfloat16, "
               "against the float32 gradient; float32's own noise: the float32 run from the weights rounded once to "
               "bfloat16, against the float32 run. Batches are the trials' tiny ones (4 sequences or images),"
-              " so per-leaf errors of ill-conditioned models (BatchNorm at init) are large even for float32 rounding."]
+              " so per-leaf errors of ill-conditioned models (BatchNorm at init) are large even for float32 rounding."
+              f" The last three columns: float32 from {n_spread} perturbations of the weights as large as one rounding"
+              " to bfloat16 (each weight moved by its rounding error with a random sign, keys 0..N-1), each against "
+              "the float32 run: how much the one-rounding yardstick itself varies."]
     return "\n".join(lines) + "\n"
+
+
+def spread_cells(gap: float, spread: list[float]) -> list[str]:
+    """min / median / max of the signed-rounding noise, the gap over their median, and whether <= 1.5."""
+    if not spread:
+        return ["-", "-", "-"]
+    median = float(np.median(spread))
+    ratio = gap / median if median > 0 else float("inf")
+    return [f"{spread[0]:.2e} / {median:.2e} / {spread[-1]:.2e}", f"{ratio:.2f}", "yes" if ratio <= 1.5 else "no"]
 
 
 def each_trial(names, measure_one) -> dict:
@@ -190,10 +225,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", nargs="*", default=list(TRIALS), choices=list(TRIALS))
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (default: %(default)s)")
+    parser.add_argument("--noise-samples", type=int, default=5,
+                        help="float32 runs from signed roundings of the weights to bfloat16 (default: %(default)s)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     harness.check_output(parser, "--out", args.out)
-    rows = each_trial(args.trials, lambda name: measure(name, args.steps))
+    rows = each_trial(args.trials, lambda name: measure(name, args.steps, args.noise_samples))
     harness.write_report(args.out, report(rows, args.steps, argv if argv is not None else sys.argv[1:]))
     return 0
 
