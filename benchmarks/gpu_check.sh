@@ -7,19 +7,24 @@
 #                                              # OUTDIR: a new temporary folder, never benchmarks/results/gpu_check
 #   JAXAMP_DATA=DIR benchmarks/gpu_check.sh    # throughput on real tokens: DIR holds nanoGPT's train.bin/val.bin
 #
-# Stages (timeouts in seconds; about 8 minutes in all on one H200):
+# Stages (timeouts in seconds; the default stages about 8 minutes in all on one H200, measured 12-04: tests ~75 s,
+# ~55 s per 124M throughput row, the gpt2-xl bf16 row 219 s unrolled (78 s of it compile), so xl runs scanned):
 #   0 env         nvidia-smi, jax/flax/optax versions and devices                      -> env.txt
 #   1 tests       pytest -m gpu tests/test_gpu.py: cuDNN attention, FP8 GEMMs, bitwise skip, one compile,
 #                 checkpoint round trip, 20 LM steps in fp32/bf16/fp16 within 1%
 #   2 throughput  benchmarks/gpu_throughput.py --model gpt2-124m (train_lm.py's preset),
 #                 seq 1024; random tokens, or $JAXAMP_DATA's                           -> gpu_throughput.{md,json}
-#   3 paired      benchmarks/gpu_paired.py, fp16 against bf16 interleaved in one process -> gpu_paired.md
-#   4 profile     benchmarks/gpu_profile.py, kernel time by kind for bf16 and fp8      -> gpu_profile.md
-# Every stage's output also goes to OUTDIR/check.log (6 files in all: the device tool returns at most 8).
-# GPU_CHECK_PRECISIONS picks the throughput rows (default: bf16 bf16-fused fp16 fp8 fp32 fp32-highest, cheapest
-# first; about 50 s each) and GPU_CHECK_STAGES the stages (default: tests throughput paired profile). With little
-# device time left, measure what is new first, e.g.
-#   GPU_CHECK_STAGES=throughput GPU_CHECK_PRECISIONS="bf16 bf16-fused fp8" benchmarks/gpu_check.sh
+#   3 xl          the same at --model gpt2-xl --scan-layers, batch 8                   -> gpu_throughput_xl.{md,json}
+#   4 paired      benchmarks/gpu_paired.py, fp16 against bf16 interleaved in one process -> gpu_paired.md
+#   5 profile     benchmarks/gpu_profile.py, kernel time by kind for bf16 and fp8      -> gpu_profile.md
+# Every stage's output also goes to OUTDIR/check.log (8 files in all: the device tool returns at most 8).
+# GPU_CHECK_PRECISIONS picks the throughput rows (default: bf16 fp8-current fp8 bf16-autocast, the rows issue 23
+# and 21 measure; any of gpu_throughput.py's), GPU_CHECK_XL_PRECISIONS the xl rows (default: bf16 fp8-current
+# fp8-moments) and GPU_CHECK_STAGES the stages (default: tests throughput xl; paired and profile when asked). With
+# little device time left, measure what is new first, e.g.
+#   GPU_CHECK_STAGES=throughput GPU_CHECK_PRECISIONS="bf16 fp8-current" benchmarks/gpu_check.sh
+# Before a GPU session, benchmarks/gpu_compile.py (no GPU needed: XLA:GPU compiles for an H200 deviceless) shows
+# what the compiled steps will hold (cuDNN attention, FP8 GEMMs, memory).
 # The exit status is that of the first stage that failed (0 if none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,10 +81,12 @@ if [[ $DRY == 1 ]]; then
   export JAXAMP_GPU_TESTS_ON_CPU=1 JAX_PLATFORMS=cpu
   TESTS+=(-k "not twenty")  # the 20-step precision comparison: the slowest on a CPU, and GPU numerics only
   SIZE=(--tiny --steps 1 --warmup 0)
+  XL=(--tiny --steps 1 --warmup 0 --scan-layers)
   PROFILE=(--tiny --steps 1 --warmup 0 --precisions fp16)
   PAIRED=(--tiny --rounds 2 --steps 1 --warmup 0)
 else
   SIZE=(--model gpt2-124m --batch-size 32 --steps 10 --warmup 3)
+  XL=(--model gpt2-xl --batch-size 8 --steps 5 --warmup 2 --scan-layers)
   PROFILE=(--batch-size 32 --steps 3 --warmup 2 --precisions bf16 fp8)
   PAIRED=(--batch-size 32 --rounds 8 --steps 5 --warmup 2)
 fi
@@ -94,12 +101,15 @@ print('backend', jax.default_backend(), [(d.device_kind, getattr(d, 'compute_cap
 } >"$OUTDIR/env.txt" 2>&1
 cat "$OUTDIR/env.txt"
 
-STAGES=" ${GPU_CHECK_STAGES:-tests throughput paired profile} "
+STAGES=" ${GPU_CHECK_STAGES:-tests throughput xl} "
 wanted() { [[ $STAGES == *" $1 "* ]]; }
-wanted tests && stage tests 150 $PY -m pytest -q "${TESTS[@]}" -rs -s -p no:cacheprovider
-read -r -a PRECISIONS <<<"${GPU_CHECK_PRECISIONS:-bf16 bf16-fused fp16 fp8 fp32 fp32-highest}"
-wanted throughput && stage throughput 360 $PY benchmarks/gpu_throughput.py "${SIZE[@]}" ${DATA[@]+"${DATA[@]}"} \
+wanted tests && stage tests 120 $PY -m pytest -q "${TESTS[@]}" -rs -s -p no:cacheprovider
+read -r -a PRECISIONS <<<"${GPU_CHECK_PRECISIONS:-bf16 fp8-current fp8 bf16-autocast}"
+wanted throughput && stage throughput 270 $PY benchmarks/gpu_throughput.py "${SIZE[@]}" ${DATA[@]+"${DATA[@]}"} \
   --precisions "${PRECISIONS[@]}" --out "$OUTDIR/gpu_throughput.md" --json "$OUTDIR/gpu_throughput.json"
+read -r -a XL_PRECISIONS <<<"${GPU_CHECK_XL_PRECISIONS:-bf16 fp8-current fp8-moments}"
+wanted xl && stage xl 180 $PY benchmarks/gpu_throughput.py "${XL[@]}" ${DATA[@]+"${DATA[@]}"} \
+  --precisions "${XL_PRECISIONS[@]}" --out "$OUTDIR/gpu_throughput_xl.md" --json "$OUTDIR/gpu_throughput_xl.json"
 wanted paired && stage paired 120 $PY benchmarks/gpu_paired.py "${PAIRED[@]}" --precisions bf16 fp16 \
   --out "$OUTDIR/gpu_paired.md"
 wanted profile && stage profile 100 $PY benchmarks/gpu_profile.py "${PROFILE[@]}" --out "$OUTDIR/gpu_profile.md"

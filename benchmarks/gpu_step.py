@@ -25,6 +25,7 @@ PRECISIONS = {  # name -> (jaxamp policy, dynamic loss scale?, matmul precision 
     "fp8-current": ("fp8-current", False, None, "fp8", 0),
     "fp8-block": ("fp8-block", False, None, "fp8", 0),
     "bf16-moments": ("bf16;opt_state=bf16", False, None, "16bit", 0),
+    "fp8-moments": ("fp8-current;opt_state=bf16", False, None, "fp8", 0),  # issue 23's XL memory goal: both savings
 }
 # Dense peak FLOP/s per device kind (substring of jax.devices()[0].device_kind): 16-bit tensor cores, TF32 tensor
 # cores (the default float32 matmul), true float32 (precision="highest"). Sparse figures are not used.
@@ -69,11 +70,37 @@ def peak_flops(device_kind: str, key: str) -> float | None:
     return None
 
 
+_INSTR = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[")  # "%name = f8e4m3fn[4096,768]{1,0} op(...)": name, dtype
+_DOT = re.compile(r"= \w+\[[^]]*\]\S* dot\(%([^,\s]+), %([^,)\s]+)\)")
+
+
+def dot_operand_dtypes(hlo_text: str) -> list[tuple[str, str]]:
+    """The element types of the two operands of every `dot` instruction in an HLO module's text (each computation
+    read once: a dot in a loop body counts once)."""
+    dtypes, dots = {}, []
+    for line in hlo_text.splitlines():
+        if line.startswith(("%", "ENTRY")) and line.rstrip().endswith("{"):  # a computation: names are its own
+            dtypes = dict(re.findall(r"(\S+): (\w+)\[", line.split(")", 1)[0]))
+            continue
+        m = _INSTR.match(line)
+        if m:
+            dtypes[m.group(1)] = m.group(2)
+        d = _DOT.search(line)
+        if d:
+            dots.append((dtypes.get(d.group(1), "?"), dtypes.get(d.group(2), "?")))
+    return dots
+
+
 def custom_calls(hlo_text: str) -> dict:
-    """Counts of the compiled step's custom calls that matter here: cuDNN fused attention, FP8 GEMMs, all GEMMs."""
+    """The compiled step's GEMMs and fused attention: cuDNN fused attention calls (`cudnn_attention`), GEMMs with
+    FP8 operands (`f8_gemm`: cuBLASLt FP8 calls and Triton/XLA dots of FP8 operands) and all GEMMs (`gemm`: cuBLAS
+    calls and dots left to Triton or XLA's emitters), counted in the program text (a scanned block's once)."""
     targets = re.findall(r'custom_call_target="([^"]+)"', hlo_text)
-    return {"cudnn_attention": sum("fmha" in t for t in targets), "f8_gemm": sum("f8" in t for t in targets),
-            "gemm": sum("matmul" in t or "gemm" in t for t in targets)}
+    cublas = [t for t in targets if "matmul" in t or "gemm" in t]
+    dots = dot_operand_dtypes(hlo_text)
+    f8_dots = sum(a.startswith("f8") and b.startswith("f8") for a, b in dots)
+    return {"cudnn_attention": sum("fmha" in t for t in targets),
+            "f8_gemm": sum("f8" in t for t in cublas) + f8_dots, "gemm": len(cublas) + len(dots)}
 
 
 def flops_per_token(n_params_no_pos: int, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
@@ -84,8 +111,11 @@ def flops_per_token(n_params_no_pos: int, layers: int, heads: int, head_dim: int
 # --------------------------------------------------------------------------------------------------------------------
 # One precision, in this process.
 
-def build(name: str, size: dict):
+def build(name: str, size: dict, abstract: bool = False):
     """The jitted, donating jaxamp step of precision `name` and its first state and batch (on the default device).
+
+    Args:
+      abstract: the state and batch as `jax.ShapeDtypeStruct`s (`jax.eval_shape`: nothing allocated), to compile.
 
     Returns:
       (step, state, batch, info): `step(state, batch) -> (state, metrics)`; batch = (inputs, targets), both
@@ -104,7 +134,8 @@ def build(name: str, size: dict):
     policy = make_policy(policy_name)  # the experiment's: embedding tables float32 in the compute copy
     cfg = TransformerConfig(vocab_size=size["vocab"], seq_len=size["seq_len"], num_layers=size["layers"],
                             num_heads=size["heads"], width=size["width"], dropout=0.0, fp8=uses_fp8(policy),
-                            loss_chunk=loss_chunk)
+                            loss_chunk=loss_chunk, scan_layers=size.get("scan_layers", False),
+                            remat=size.get("remat", "none"))
     model = TransformerLM(cfg)
 
     def loss_fn(params, batch, rng):
@@ -112,17 +143,21 @@ def build(name: str, size: dict):
         inputs, targets = batch  # i32[batch, seq] each
         return model.apply(lm_variables(params), inputs, targets, deterministic=True)  # f32[] mean cross-entropy
 
-    init_key, data_key, state_key = jax.random.split(jax.random.key(0), 3)
-    variables = jax.jit(model.init)(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))
-    params = variables if cfg.fp8 else variables["params"]  # FP8: its scales and amax histories ride along
-    n_params = count_params(variables["params"])
-    info = {"cfg": cfg, "n_params": n_params, "n_no_pos": n_params - int(variables["params"]["wpe"]["embedding"].size)}
     tx = optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(learning_rate=6e-4, b1=0.9, b2=0.95, weight_decay=0.1))
     loss_scale = DynamicLossScale(2.0**15) if dynamic else NoOpLossScale()
-    state = TrainState.create(params=params, tx=tx, policy=policy, loss_scale=loss_scale, rng=state_key)
-    tokens = jax.random.randint(data_key, (size["batch_size"], cfg.seq_len + 1), 0, cfg.vocab_size, jnp.int32)
-    batch = (tokens[:, :-1], tokens[:, 1:])  # i32[batch, seq] each
+
+    def first_state_and_batch():
+        init_key, data_key, state_key = jax.random.split(jax.random.key(0), 3)
+        variables = jax.jit(model.init)(init_key, jnp.zeros((1, cfg.seq_len), jnp.int32))
+        params = variables if cfg.fp8 else variables["params"]  # FP8: its scales and amax histories ride along
+        state = TrainState.create(params=params, tx=tx, policy=policy, loss_scale=loss_scale, rng=state_key)
+        tokens = jax.random.randint(data_key, (size["batch_size"], cfg.seq_len + 1), 0, cfg.vocab_size, jnp.int32)
+        return state, (tokens[:, :-1], tokens[:, 1:]), variables["params"]  # batch: i32[batch, seq] each
+
+    state, batch, weights = (jax.eval_shape if abstract else lambda f: f())(first_state_and_batch)
+    n_params = count_params(weights)
+    info = {"cfg": cfg, "n_params": n_params, "n_no_pos": n_params - int(weights["wpe"]["embedding"].size)}
     step = jax.jit(lambda s, b: train_step(s, b, loss_fn), donate_argnums=0)
     return step, state, batch, info
 

@@ -1,4 +1,4 @@
-"""Training throughput, MFU and memory of a GPT-2-124M-sized LM under jaxamp, in ten precisions, one command.
+"""Training throughput, MFU and memory of a GPT-2-124M-sized LM under jaxamp, in 11 precisions, one command.
 
     python benchmarks/gpu_throughput.py                           # 12 layers, 12 heads, width 768, seq 1024, batch 16
     python benchmarks/gpu_throughput.py --batch-size 32 --steps 20
@@ -20,6 +20,7 @@ with global-norm clipping, as a user writes it):
   fp8-current   "fp8-current": autocast with the weight matmuls through per-tensor current-scaled FP8 (stateless)
   fp8-block     "fp8-block": the same with DeepSeek-V3's 1x128 / 128x128 block scales (numerics: float32 GEMMs)
   bf16-moments  "bf16;opt_state=bf16": bf16 with Adam's moments stored in bfloat16 (8 bytes per parameter)
+  fp8-moments   "fp8-current;opt_state=bf16": fp8-current with bfloat16 Adam moments (DeepSeek-V3's pairing)
 
 For each: the step is lowered and compiled ahead of time (`jax.jit(step).lower(state, batch).compile()`, whose
 `memory_analysis()` gives the argument, output, temp and aliased bytes; the later jitted calls hit the same cache),
@@ -64,6 +65,7 @@ from benchmarks.gpu_step import (  # noqa: E402  (imports jax, starts no backend
     peak_flops,
     sizes,
 )
+from jaxamp.lm.model import REMAT_POLICIES  # noqa: E402
 from jaxamp.lm.presets import MODEL_PRESETS  # noqa: E402
 
 REPO = harness.REPO
@@ -156,7 +158,9 @@ def _header(args, size: dict, first: dict, argv) -> list[str]:
         f"- device: {first.get('device_kind', 'n/a')} ({first.get('platform', 'n/a')}); host "
         f"{harness.machine(backend=False)}",
         f"- date: {harness.now()}",
-        f"- model: {'--tiny' if args.tiny else args.model}: {size['layers']} layers, {size['heads']} heads, width "
+        f"- model: {'--tiny' if args.tiny else args.model}: {size['layers']} layers"
+        f"{' (scanned)' if size.get('scan_layers') else ''}"
+        f"{'' if size.get('remat', 'none') == 'none' else ', remat ' + size['remat']}, {size['heads']} heads, width "
         f"{size['width']} (head dim {head_dim}), "
         f"seq {size['seq_len']}, vocab {size['vocab']}, batch {size['batch_size']} "
         f"({size['batch_size'] * size['seq_len']:,} tokens/step); "
@@ -169,7 +173,8 @@ def _header(args, size: dict, first: dict, argv) -> list[str]:
         f"{'each precision in its own subprocess' if args.isolate else 'all precisions in one process'}",
         "- MFU against the dense peak of the precision's matmul unit (H100/H200: 1979 TFLOP/s FP8, 989 16-bit, "
         "494 TF32, 67 float32; A100: 312 / 156 / 19.5); fp8 also against the 16-bit peak, in brackets; n/a on "
-        "other devices. Custom calls: cuDNN fused attention, FP8 GEMMs, all cuBLAS GEMMs in the compiled step.",
+        "other devices. GEMM counts from the compiled step's text: cuDNN fused attention calls; GEMMs with FP8 "
+        "operands (cuBLASLt FP8 calls and Triton dots of FP8 tensors); all GEMMs (cuBLAS calls and Triton/XLA dots).",
     ]
     if first.get("platform") == "cpu":
         lines.append("- CPU timings on a shared 2-core machine with other jobs running; XLA:CPU upcasts "
@@ -180,7 +185,7 @@ def _header(args, size: dict, first: dict, argv) -> list[str]:
 def _main_rows(results: dict) -> list[str]:
     lines = harness.table(["precision", "step ms (median)", "step ms min-max", "tokens/s", "MFU",
                            "peak bytes in use MiB", "lower s", "compile s", "compiles in steps", "loss first -> last",
-                           "skipped steps", "final loss scale", "cuDNN attention / FP8 GEMM / GEMM calls"])
+                           "skipped steps", "final loss scale", "cuDNN attention / FP8 GEMMs / GEMMs"])
     for name in PRECISIONS:
         r = results.get(name)
         if r is None:
@@ -248,6 +253,10 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: 16, --tiny: 4)")
     p.add_argument("--model", choices=list(MODEL_PRESETS), default="gpt2-124m",
                    help="size preset of train_lm.py's --model (default: gpt2-124m; --tiny overrides it)")
+    p.add_argument("--scan-layers", action="store_true", help="blocks as one nn.scan (train_lm.py's --scan-layers: "
+                   "one compiled block, a shorter compile at gpt2-xl's 48 layers)")
+    p.add_argument("--remat", choices=list(REMAT_POLICIES), default="none",
+                   help="rematerialisation of each block (train_lm.py's --remat; default: none)")
     p.add_argument("--data", default=None, help="directory of nanoGPT's train.bin/val.bin: time real tokens (the "
                    "vocabulary from its meta.pkl, else 50304)")
     p.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
@@ -281,6 +290,7 @@ def parse_args(argv=None):
 def _size(args, data: bool = True) -> dict:
     """The model and batch sizes of `args`; with --data, its vocabulary and path too."""
     size = sizes(args.tiny, args.batch_size, args.model)
+    size.update(scan_layers=args.scan_layers, remat=args.remat)
     if data and args.data is not None:
         size.update(vocab=args.data_vocab, data=str(args.data))
     return size

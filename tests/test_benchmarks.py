@@ -110,6 +110,72 @@ def test_gpu_throughput_tiny(tmp_path):
     assert main_rows["bf16-fused"][9].split(" -> ")[0] == main_rows["bf16"][9].split(" -> ")[0]
 
 
+# An XLA:GPU program's text as `compiled.as_text()` prints it (cut from a deviceless H200 compile): a Triton GEMM
+# fusion of FP8 operands, one of bfloat16 operands, a cuBLASLt FP8 call, a cuBLAS call and cuDNN attention.
+GPU_HLO = """
+%gemm_fusion_dot_general.39_computation (parameter_0: f8e4m3fn[4096,768], parameter_1: f8e4m3fn[768,2304]) -> bf16 {
+  %parameter_0 = f8e4m3fn[4096,768]{1,0} parameter(0), metadata={scheduling_name="parameter_0"}
+  %parameter_1 = f8e4m3fn[768,2304]{1,0} parameter(1), metadata={scheduling_name="parameter_1"}
+  %dot_general.0 = f32[4096,2304]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}
+  ROOT %convert.1 = bf16[4096,2304]{1,0} convert(%dot_general.0)
+}
+
+%gemm_fusion_dot.12_computation (parameter_0.12: bf16[4096,768], parameter_1.6: f32[50304,768]) -> bf16[4096,50304] {
+  %parameter_0.12 = bf16[4096,768]{1,0} parameter(0)
+  %parameter_1.6 = f32[50304,768]{1,0} parameter(1)
+  %convert.7 = bf16[50304,768]{1,0} convert(%parameter_1.6)
+  ROOT %dot.3 = bf16[4096,50304]{1,0} dot(%parameter_0.12, %convert.7), lhs_contracting_dims={1}
+}
+
+ENTRY %main (p0: bf16[4096,768], p1: f8e4m3fn[768,2304]) -> bf16[4096,2304] {
+  %cublas-lt-matmul.2 = (bf16[64,64]{1,0}, s8[8]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8"
+  %cublas-gemm.1 = (f32[64,64]{1,0}, s8[8]{0}) custom-call(%c, %d), custom_call_target="__cublas$gemm"
+  %fmha = (bf16[4,1024,12,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax"
+}
+"""
+
+
+def test_gemm_census_counts_fp8_operands_in_triton_fusions_and_cublas_calls():
+    """gpu_throughput's and gpu_compile's GEMM census: dots by their operands' types (a convert inside the fusion
+    counts as what the dot reads), FP8 cuBLASLt calls, every GEMM once, cuDNN attention."""
+    from benchmarks.gpu_step import custom_calls, dot_operand_dtypes
+
+    assert dot_operand_dtypes(GPU_HLO) == [("f8e4m3fn", "f8e4m3fn"), ("bf16", "bf16")]
+    assert custom_calls(GPU_HLO) == {"cudnn_attention": 1, "f8_gemm": 2, "gemm": 4}
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-moments"])
+def test_an_abstract_build_has_the_concrete_builds_shapes_and_counts(name):
+    """gpu_step.build(abstract=True) (what gpu_compile.py compiles: no weights allocated) gives the state and batch
+    of the concrete build as ShapeDtypeStructs, tree for tree, and the same parameter counts."""
+    import jax
+
+    from benchmarks.gpu_step import TINY, build
+
+    _, state, batch, info = build(name, TINY)
+    _, abstract_state, abstract_batch, abstract_info = build(name, TINY, abstract=True)
+    paths = lambda tree: [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]  # noqa: E731 (tx differs)
+    assert paths((abstract_state, abstract_batch)) == paths((state, batch))
+    assert all(isinstance(a, jax.ShapeDtypeStruct) and (a.shape, a.dtype) == (c.shape, c.dtype)
+               for a, c in zip(jax.tree.leaves((abstract_state, abstract_batch)), jax.tree.leaves((state, batch))))
+    assert (abstract_info["n_params"], abstract_info["n_no_pos"]) == (info["n_params"], info["n_no_pos"]) != (0, 0)
+
+
+@pytest.mark.slow
+def test_gpu_compile_for_an_h200_without_a_gpu(tmp_path):
+    """benchmarks/gpu_compile.py, where the JAX CUDA plugin is installed (`pip install "jax[cuda13]"`; CI has none):
+    one block, batch 1, compiled for an H200: cuDNN attention forward and backward, and fp8-current's 12 weight GEMMs
+    (4 Dense x forward, dgrad, wgrad) on FP8 operands, bf16's on none."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="needs the JAX CUDA plugin: pip install \"jax[cuda13]\"")
+    out = tmp_path / "compile.md"
+    proc = run_script("benchmarks/gpu_compile.py", "--layers", "1", "--batch-size", "1", "--precisions", "bf16",
+                      "fp8-current", "--out", str(out), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = table_rows(out.read_text())
+    assert [number(c) for c in rows["bf16"][:3]] == [2, 0, 15], rows
+    assert [number(c) for c in rows["fp8-current"][:3]] == [2, 12, 15], rows
+
+
 @pytest.mark.slow
 def test_gpu_throughput_tiny_autocast_fp8_recipes_and_bf16_moments(tmp_path):
     """The rows for the next GPU run: the LM under autocast, the stateless FP8 recipes, bf16 Adam moments."""
@@ -250,17 +316,24 @@ def test_fidelity_benchmark_tiny(tmp_path, text_corpus):
 @pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
     """benchmarks/gpu_check.sh --dry-run: the GPU check's stages at --tiny sizes on the CPU, so it cannot rot. Its
-    throughput stage runs three of its six precisions here (`GPU_CHECK_PRECISIONS`; test_gpu_throughput_tiny runs
-    every one through the same script)."""
+    throughput stage runs three precisions here (`GPU_CHECK_PRECISIONS`; test_gpu_throughput_tiny runs every one
+    through the same script), its xl stage one, scanned; all five stages, the two opt-in ones included: the 8 files
+    the device tool can return."""
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(tmp_path)], cwd=REPO,
-                          env={**FAST_ENV, "PYTHON": sys.executable, "GPU_CHECK_PRECISIONS": "bf16 fp16 fp8"},
+                          env={**FAST_ENV, "PYTHON": sys.executable, "GPU_CHECK_PRECISIONS": "bf16 fp16 fp8",
+                               "GPU_CHECK_XL_PRECISIONS": "fp8-current",
+                               "GPU_CHECK_STAGES": "tests throughput xl paired profile"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert {p.name for p in tmp_path.iterdir()} == {"env.txt", "check.log", "gpu_throughput.md",
-                                                    "gpu_throughput.json", "gpu_paired.md", "gpu_profile.md"}
+                                                    "gpu_throughput.json", "gpu_throughput_xl.md",
+                                                    "gpu_throughput_xl.json", "gpu_paired.md", "gpu_profile.md"}
+    xl = json.loads((tmp_path / "gpu_throughput_xl.json").read_text())
+    assert set(xl["results"]) == {"fp8-current"} and xl["size"]["scan_layers"] is True
+    assert "layers (scanned)" in (tmp_path / "gpu_throughput_xl.md").read_text()
     assert "backend cpu" in (tmp_path / "env.txt").read_text()
     # The cuDNN and FP8 GEMM checks need a GPU; the 20-step comparison is left to the GPU run.
-    assert "3 passed, 3 skipped, 1 deselected" in (tmp_path / "check.log").read_text()
+    assert "3 passed, 5 skipped, 1 deselected" in (tmp_path / "check.log").read_text()
     results = json.loads((tmp_path / "gpu_throughput.json").read_text())["results"]
     assert set(results) == {"bf16", "fp16", "fp8"}
     assert all("error" not in r for r in results.values())
@@ -460,10 +533,12 @@ def test_autocast_speed_tiny(tmp_path):
 @pytest.mark.slow
 def test_autocast_models_tiny(tmp_path):
     """benchmarks/autocast_models.py on one outside model for 3 steps: the cast policy runs its matmuls in float32
-    and names where, autocast runs them all in half precision, every leaf's gradient is within its bound."""
+    and names where, autocast runs them all in half precision, every leaf's gradient is within its bound; one
+    signed-rounding noise run gives the spread cells (min = median = max)."""
     pytest.importorskip("transformers")
     out = tmp_path / "models.md"
-    proc = run_script("benchmarks/autocast_models.py", "--trials", "gpt2_hf", "--steps", "3", "--out", str(out))
+    proc = run_script("benchmarks/autocast_models.py", "--trials", "gpt2_hf", "--steps", "3", "--noise-samples", "1",
+                      "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     audit = next(line for line in text.splitlines() if line.startswith("| gpt2_hf | hf |"))
@@ -471,6 +546,10 @@ def test_autocast_models_tiny(tmp_path):
     assert cells[2] == "0.0%" and "gpt2.py:" in cells[3] and cells[4:6] == ["100.0%", "100.0%"], cells
     grads = [line for line in text.splitlines() if line.startswith("| gpt2_hf | bf16;autocast |")]
     assert grads and grads[0].split("|")[3].strip() == "28/28", grads
+    cells = [c.strip() for c in grads[0].strip().strip("|").split("|")]
+    spread = [number(x) for x in cells[9].split("/")]
+    assert len(spread) == 3 and spread[0] == spread[1] == spread[2] > 0, cells
+    assert abs(number(cells[10]) - number(cells[5]) / spread[1]) < 0.01 + 0.01 * number(cells[10]), cells
 
 
 @pytest.mark.slow

@@ -14,10 +14,12 @@ import numpy as np
 import optax
 import pytest
 
+from benchmarks.gpu_step import custom_calls  # the GEMM census of gpu_throughput.py
 from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step
 from jaxamp.checkpoint import Checkpointer
 from jaxamp.lm.data import CharDataset, batch_at, default_corpus_text
 from jaxamp.lm.model import LM_KEEP_FLOAT32, TransformerConfig, TransformerLM, cross_entropy_loss
+from jaxamp.lm.setup import make_policy
 
 ON_GPU = jax.default_backend() == "gpu"
 ANY_BACKEND = ON_GPU or os.environ.get("JAXAMP_GPU_TESTS_ON_CPU") == "1"
@@ -100,10 +102,29 @@ def test_half_precision_attention_is_cudnn_fused(policy, data):
 def test_fp8_dense_matmuls_are_fp8_gemms(data):
     """The compiled fp8 step runs every Dense matmul (4 per layer; forward, and both backward dots) as an FP8 GEMM."""
     hlo = STEP.lower(make_state("fp8"), lm_batch(data, 0), lm_loss).compile().as_text()
-    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
-    f8 = [t for t in targets if "f8" in t]
-    print(f"fp8: custom calls {sorted(set(targets))}; FP8 GEMMs {len(f8)}")
-    assert len(f8) == 3 * 4 * CFG.num_layers, sorted(set(targets))
+    calls = custom_calls(hlo)
+    print(f"fp8: {calls}")
+    assert calls["f8_gemm"] == 3 * 4 * CFG.num_layers, calls
+
+
+def autocast_state(policy: str) -> TrainState:
+    """The float32 LM under an autocast policy, as jaxamp.lm runs it (`make_policy`: no keep_float32 rules)."""
+    params = MODEL.init(jax.random.key(0), jnp.zeros((1, CFG.seq_len), jnp.int32))["params"]
+    tx = optax.adamw(3e-3)
+    return TrainState.create(params=params, tx=tx, policy=make_policy(policy), loss_scale=NoOpLossScale(),
+                             rng=jax.random.key(1))
+
+
+@needs_gpu
+@pytest.mark.parametrize("policy", ["bf16;autocast", "fp8-current"])
+def test_autocast_attention_is_cudnn_fused_and_fp8_current_gemms_are_fp8(policy, data):
+    """Under autocast the float32 LM's attention runs as cuDNN's fused kernel (forward and backward per layer), and
+    fp8-current's weight matmuls (4 per layer, 3 GEMMs each) contract FP8 operands (Triton or cuBLASLt)."""
+    hlo = STEP.lower(autocast_state(policy), lm_batch(data, 0), lm_loss).compile().as_text()
+    calls = custom_calls(hlo)
+    print(f"{policy}: {calls}")
+    assert calls["cudnn_attention"] == 2 * CFG.num_layers, calls
+    assert calls["f8_gemm"] == (3 * 4 * CFG.num_layers if policy == "fp8-current" else 0), calls
 
 
 @gpu_or_opt_in

@@ -1,0 +1,159 @@
+"""What XLA:GPU compiles for the LM's step on an H200, on a machine without a GPU (deviceless AOT compile).
+
+    pip install "jax[cuda13]==$(python -c 'import jax; print(jax.__version__)')"   # XLA's GPU compiler (the plugin)
+    python benchmarks/gpu_compile.py                                        # gpt2-124m, batch 32: every precision
+    python benchmarks/gpu_compile.py --model gpt2-xl --batch-size 8 --precisions bf16 fp8-current
+    python benchmarks/gpu_compile.py --layers 2 --precisions fp8 fp8-current --out /tmp/c.md   # quick
+
+For each precision (gpu_throughput.py's: the same `build`), the jitted, donating train step is lowered on abstract
+arrays placed on a deviceless H200 topology (`jax.experimental.topologies`, sm_90, CUDA 13, cuDNN 9) and compiled by
+the JAX CUDA plugin's XLA:GPU compiler: nothing runs, no GPU is needed, only the plugin's libraries. The program is
+traced as on a GPU (`jax.default_backend()` answers "gpu" while tracing, so `jaxamp.attention` asks for cuDNN's
+fused attention as it does there). Reported from the compiled program's text: cuDNN fused attention calls, GEMMs
+with FP8 operands (cuBLASLt FP8 calls and Triton dots of FP8 tensors), all GEMMs, the operand dtypes of the GEMMs
+(`f32 x f32` marks a float32 GEMM), and `memory_analysis()` (arguments, temporaries).
+
+What it cannot show: which kernel the autotuner picks (deviceless, XLA takes its default Triton configs where a GPU
+run may choose cuBLAS), and any timing. On the 12-04 H200 run the FP8 and GEMM counts of `fp8` and the old
+`fp8-current` matched what this script gives for them (144 FP8 GEMMs; none) and bf16's cuDNN count (24) too.
+
+JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 is set (the plugin's version checks load cuPTI, which needs a driver).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.gpu_step import (  # noqa: E402
+    PRECISIONS,
+    build,
+    custom_calls,
+    dot_operand_dtypes,
+    matmul_context,
+    sizes,
+)
+from jaxamp.lm.presets import MODEL_PRESETS  # noqa: E402
+
+DEFAULT_OUT = harness.RESULTS / "gpu_compile.md"
+H200_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 150754820096 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA" dnn_version_info { major: 9 minor: 28 } runtime_version { major: 13 }
+device_description_str: "NVIDIA H200"
+"""  # XLA's GpuTargetConfigProto for an H200 (sm_90, 132 SMs, 141 GB); the cuDNN and CUDA versions of the GPU box
+
+
+def h200_sharding():
+    """A replicated sharding on a one-device deviceless H200 topology.
+
+    Raises:
+      RuntimeError: the JAX CUDA plugin is not installed (the message says which pip line installs it).
+    """
+    import jax
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology="1x1x1")
+    except (NotImplementedError, RuntimeError) as e:
+        raise RuntimeError(f"no XLA:GPU compiler here ({e}): pip install \"jax[cuda13]=={jax.__version__}\"") \
+            from None
+    return NamedSharding(topologies.make_mesh(topology, (1,), ("x",)), PartitionSpec())
+
+
+@contextlib.contextmanager
+def traced_as_on_a_gpu():
+    """`jax.default_backend()` answers "gpu" inside (what jaxamp reads to pick cuDNN attention)."""
+    import jax
+
+    real = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        yield
+    finally:
+        jax.default_backend = real
+
+
+def compile_precision(name: str, size: dict, sharding) -> dict:
+    """Builds `name`'s step on the CPU, compiles it for the H200 on abstract arrays; counts and memory."""
+    import jax
+
+    with matmul_context(name), traced_as_on_a_gpu():
+        step, state, batch, info = build(name, size, abstract=True)  # shapes only: no weights allocated
+        abstract = lambda tree: jax.tree.map(  # noqa: E731
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+        t0 = time.perf_counter()
+        compiled = step.lower(abstract(state), abstract(batch)).compile()
+        compile_s = time.perf_counter() - t0
+    text = compiled.as_text()
+    mem = compiled.memory_analysis()
+    memory = None if mem is None else {k: int(getattr(mem, k + "_size_in_bytes"))
+                                       for k in ("argument", "output", "alias", "temp")}
+    dots = collections.Counter(f"{a} x {b}" for a, b in dot_operand_dtypes(text))
+    return {"precision": name, "compile_s": compile_s, "n_params": info["n_params"],
+            "calls": custom_calls(text), "dots": dict(dots), "memory": memory}
+
+
+def report(rows: list[dict], size: dict, argv) -> str:
+    lines = ["# What XLA:GPU compiles for the LM step on an H200 (deviceless: compiled, not run)", "",
+             f"- command: `{harness.command_line(__file__, argv)}`", f"- machine: {harness.machine(backend=False)}",
+             f"- date: {harness.now()}",
+             f"- model: {size['layers']} layers, {size['heads']} heads, width {size['width']}, seq {size['seq_len']}, "
+             f"vocab {size['vocab']}, batch {size['batch_size']}", "- counts from the compiled program's text (a "
+             "scanned block's GEMMs once); memory from `memory_analysis()` (live at peak is about argument + "
+             "temp)", ""]
+    table = []
+    for r in rows:
+        c, m = r["calls"], r["memory"] or {}
+        dots = ", ".join(f"{k}: {v}" for k, v in sorted(r["dots"].items(), key=lambda kv: -kv[1]))
+        table.append([r["precision"], str(c["cudnn_attention"]), str(c["f8_gemm"]), str(c["gemm"]), dots or "-",
+                      harness.mib(m.get("argument")), harness.mib(m.get("temp")), f"{r['compile_s']:.1f}"])
+    lines += harness.table(["precision", "cuDNN attention", "FP8 GEMMs", "GEMMs", "Triton/XLA dots by operand dtypes",
+                            "argument MiB", "temp MiB", "compile s"], table, "lrrrlrrr")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=list(MODEL_PRESETS), default="gpt2-124m")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
+    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    args = parser.parse_args(argv)
+    harness.check_sizes(parser, args, ("batch_size",) + (("layers",) if args.layers is not None else ()))
+    harness.check_output(parser, "--out", args.out)
+    size = sizes(False, args.batch_size, args.model)
+    if args.layers is not None:
+        size["layers"] = args.layers
+    try:
+        sharding = h200_sharding()
+    except RuntimeError as e:
+        parser.exit(2, f"{parser.prog}: {e}\n")
+    rows = []
+    for name in args.precisions:
+        harness.log(f"{name} ...")
+        rows.append(compile_precision(name, size, sharding))
+        harness.write_report(args.out, report(rows, size, argv if argv is not None else sys.argv[1:]),
+                             echo=name == args.precisions[-1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
