@@ -131,11 +131,16 @@ def report(rows: list[dict], size: dict, argv) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=list(MODEL_PRESETS), default="gpt2-124m")
+    parser.add_argument("--model", choices=list(MODEL_PRESETS), default="gpt2-124m",
+                        help="train_lm.py's size preset (default: %(default)s; `small`: 4 layers, width 128, seq 64)")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default: %(default)s)")
-    parser.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
-    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS))
-    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--layers", type=int, default=None,
+                        help="blocks, the preset's other sizes kept (default: the preset's)")
+    parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
+                        help="gpu_throughput.py's rows: `bf16` is the cast policy, `bf16-autocast` float32 code "
+                             "under autocast, ... (default: all)")
+    parser.add_argument("--out", default=str(DEFAULT_OUT),
+                        help="the markdown table to write (default: benchmarks/results/gpu_compile.md in the checkout)")
     args = parser.parse_args(argv)
     harness.check_sizes(parser, args, ("batch_size",) + (("layers",) if args.layers is not None else ()))
     harness.check_output(parser, "--out", args.out)

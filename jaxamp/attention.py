@@ -1,8 +1,9 @@
-"""Attention with its logits and softmax in float32, whatever the compute dtype: a float32 island.
+"""Attention with its softmax in float32: a float32 island for half-precision inputs.
 
 `dot_product_attention` is `jax.nn.dot_product_attention` for half-precision query, key and value: cuDNN's fused
-kernel on a GPU (its softmax runs in float32 inside the kernel), else JAX's XLA path on float32 copies of the inputs,
-the output cast back to the inputs' dtype. jaxamp's LM uses it; so can any model's attention.
+kernel on a GPU (bf16/fp16 matmuls, its softmax in float32 inside the kernel), else JAX's XLA path on float32 copies
+of the inputs (logits and softmax in float32), the output cast back to the inputs' dtype. jaxamp's LM uses it; so
+can any model's attention.
 
 Under `jaxamp.autocast` (torch.amp's autocast runs `scaled_dot_product_attention` in the compute dtype, its flash
 kernels included) a call of it runs as attention in the compute dtype: float32 query, key and value (float32 model
@@ -28,7 +29,10 @@ def dot_product_attention(
     mask: jax.Array | None = None,
     is_causal: bool = False,
 ) -> jax.Array:
-    """Float32 attention island built on ``jax.nn.dot_product_attention``.
+    """Attention with its softmax in float32, built on ``jax.nn.dot_product_attention``.
+
+    Under ``jaxamp.autocast`` a call runs in the compute dtype instead: cuDNN's kernel on a GPU, elsewhere its two
+    matmuls in the compute dtype and the softmax in float32 (see the module).
 
     Half-precision (float16/bfloat16) query, key and value are cast to
     float32, passed to ``jax.nn.dot_product_attention`` (XLA path: logits and

@@ -75,7 +75,7 @@ def _is_library(filename: str) -> bool:
     if filename.startswith(_JAXAMP):
         return not filename.startswith(_JAXAMP_APP)
     return filename.startswith(_LIBRARIES)
-_CALLS = ("pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
           "custom_vjp_call_jaxpr", "custom_lin")
 
 
@@ -201,11 +201,14 @@ class _Walk:
     first_fallback: Any = None
     backward: bool = False  # visiting the body of a backward (transposed) scan, while or call
     prefix: tuple = ()  # the names of the equations whose sub-programs are being visited
+    calls: tuple = ()  # the call equations (nested jits, ...) whose bodies are being visited, outermost first
+    held_by: dict = dataclasses.field(default_factory=dict)  # id(equation) -> the `calls` it was visited in
 
     def visit(self, jaxpr, trips: int, compute_half: bool) -> None:
         for eqn in jaxpr.eqns:
             for out in eqn.outvars:
                 self.producer[id(out)] = eqn
+            self.held_by[id(eqn)] = self.calls
             name = eqn.primitive.name
             if name in _MATMULS:
                 self._matmul(eqn, trips, compute_half)
@@ -218,21 +221,37 @@ class _Walk:
                             self.producer.setdefault(("alias", id(outer)), inner)
                     for outer, inner in zip(eqn.invars[len(eqn.invars) - len(sub.invars):], sub.invars):
                         self.producer.setdefault(("input", id(inner)), outer)
-                outer = self.backward, self.prefix
+                outer = self.backward, self.prefix, self.calls
                 self.backward = _pass(eqn, self.backward) == "backward"
                 self.prefix = (*self.prefix, *_names(eqn))
+                self.calls = (*self.calls, eqn) if name in _CALLS else self.calls
                 self.visit(sub, trips * inner_trips, compute_half)
-                self.backward, self.prefix = outer
+                self.backward, self.prefix, self.calls = outer
+
+    def where(self, eqn) -> tuple[str, str, str]:
+        """`(source, library, callers)` of `eqn` (`_where`, `_callers`). The body of a nested jit is traced with a
+        traceback that ends at the jitted function: where that holds no user frame (a library's jit, such as
+        `jaxamp.attention`'s), the source is the call's, the library the call's entry point, and the callers go on
+        with the call's."""
+        source, library = _where(eqn)
+        callers = [_callers(eqn)]
+        for call in reversed(self.held_by.get(id(eqn), ())):
+            if source not in ("?", library):
+                break
+            source, outer_library = _where(call)
+            library = outer_library or library
+            callers.append(_callers(call))
+        return source, library, " < ".join(c for c in callers if c)
 
     def _matmul(self, eqn, trips, compute_half) -> None:
         lhs, rhs = _fp8_formats(eqn) or (_dtype(eqn.invars[0]), _dtype(eqn.invars[1]))
-        source, library = _where(eqn)
+        source, library, callers = self.where(eqn)
         names = [*self.prefix, *_names(eqn)]
         row = {"source": source, "library": library, "primitive": eqn.primitive.name, "lhs": lhs, "rhs": rhs,
                "out": _dtype(eqn.outvars[0]), "flops": _matmul_flops(eqn) * trips, "trips": trips,
                "pass": _pass(eqn, self.backward),
                "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}",
-               "scope": "/".join(_scope(names)), "callers": _callers(eqn), "weight": weight_path(names)}
+               "scope": "/".join(_scope(names)), "callers": callers, "weight": weight_path(names)}
         self.rows.append(row)
         self.eqns.append(eqn)
         self.names.append(names)
@@ -243,17 +262,33 @@ class _Walk:
     def _sum(self, eqn) -> None:
         size = _summed(eqn)
         dtype = _dtype(eqn.outvars[0])
-        if size > ABSORB_LIMIT[dtype]:
-            source, library = _where(eqn)
+        if size > ABSORB_LIMIT[dtype] and not self._counts_booleans(eqn):
+            source, library, _ = self.where(eqn)
             self.sums.append({"source": source, "library": library, "primitive": eqn.primitive.name,
                               "dtype": dtype, "size": size, "pass": _pass(eqn, self.backward)})
+
+    def _counts_booleans(self, eqn) -> bool:
+        """Whether a sum adds up booleans converted to a float (through broadcasts and reshapes): a count, exact up
+        to 2^8 in bfloat16 and 2^11 in float16, e.g. the ties of a max in `reduce_max`'s derivative, which JAX
+        writes in the max's dtype (a half-precision head's logits under autocast, in logsumexp)."""
+        var = eqn.invars[-1] if eqn.primitive.name in _SCATTER_ADDS else eqn.invars[0]
+        for _ in range(8):
+            maker = self.producer.get(id(var)) if _is_var(var) else None
+            if maker is None:
+                return False
+            if maker.primitive.name == "convert_element_type":
+                return _dtype(maker.invars[0]) == "bool"
+            if maker.primitive.name not in ("broadcast_in_dim", "reshape", "transpose", "squeeze"):
+                return False
+            var = maker.invars[0]
+        return False
 
     def cause(self, eqn) -> str:
         """The op that made `eqn`'s float32 operand float32, in one line: walking back along float32 values, the
         first op with a half-precision input. A half-precision weight promoted to float32 by the layer itself (a
         cast on the matmul's own line) is the consequence of a float32 input, not its cause: it is named only when
         nothing else is found."""
-        own_source = _where(eqn)[0]
+        own_source = self.where(eqn)[0]
         seen: set = set()
         promotion = None
         frontier = [v for v in eqn.invars if _is_var(v) and _dtype(v) == "float32"]
@@ -271,7 +306,7 @@ class _Walk:
                 return f"a float32 input of the step ({var.aval.str_short()}) reached it unchanged"
             floats = [v for v in maker.invars if _is_var(v) and jnp.issubdtype(v.aval.dtype, jnp.floating)]
             if any(_is_half(v.aval.dtype) for v in floats):
-                source, library = _where(maker)
+                source, library, _ = self.where(maker)
                 found = (f"{library} at {source}" if library else source) + \
                     f" returned float32 from half-precision inputs ({maker.primitive.name})"
                 if source != own_source or maker.primitive.name != "convert_element_type":

@@ -322,7 +322,7 @@ def _param_path(path) -> str | None:
 
 
 def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: Sequence | None = None,
-              arg_names: Sequence | None = None) -> list:
+              arg_names: Sequence | None = None, traceback=None) -> list:
     """Evaluates an open `jaxpr` on `consts` and `args` (any dtypes), re-binding each equation under `mode`.
 
     Each equation is bound inside its own source info (traceback and name stack) and equation context, as
@@ -330,7 +330,8 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
     constants (see `autocast_rules.widest_dtype`); they are tracked through broadcasts and reshapes. `arg_names`
     (optional, per arg) are the param paths of args (see `_param_path`), tracked through casts, reshapes and
     transposes, into nested jits, scan, while and cond bodies, remat and custom_jvp; a matmul with a named operand
-    is bound in a `WEIGHT_SCOPE` name scope (rhs first, then lhs).
+    is bound in a `WEIGHT_SCOPE` name scope (rhs first, then lhs). `traceback` (optional) replaces every
+    equation's own traceback.
 
     Returns:
       The jaxpr's outputs (float32_reference mode: low-precision floating ones widened to float32).
@@ -356,7 +357,8 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
         rule, extra = _rule(eqn, mode), {}
         if rule in _NAMED_RULES and any(names):
             extra = {"names": names}
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), _eqn_context(eqn), \
+        with source_info_util.user_context(traceback or eqn.source_info.traceback, name_stack=name_stack), \
+                _eqn_context(eqn), \
                 _weight_scope(eqn, names):
             outs = rules.check_outputs(eqn, rule(eqn, vals, mode, bounds, **extra), mode)
         for var, out in zip(eqn.outvars, outs):
@@ -411,7 +413,10 @@ def _jit_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
         return [fused]
     vals = _constrain(vals, params.get("in_shardings"))
     closed = params["jaxpr"]
-    outs = interpret(closed.jaxpr, closed.consts, vals, mode, bounds, names)
+    # A jit's body is traced with tracebacks that end at the jitted function; jaxamp.attention's (library code)
+    # takes its call's instead, so the audit finds the user's line that called it.
+    traceback = eqn.source_info.traceback if params.get("name") in ATTENTION_JIT_NAMES else None
+    outs = interpret(closed.jaxpr, closed.consts, vals, mode, bounds, names, traceback=traceback)
     return _constrain(outs, params.get("out_shardings"))
 
 

@@ -300,3 +300,49 @@ def test_a_per_row_gather_gradient_is_no_half_sum_but_a_shared_row_is():
     lookup = jax.make_jaxpr(jax.grad(lambda t: t[ids].astype(jnp.float32).sum()))
     sums = audit_jaxpr(lookup(table), policy="bf16", compute_dtype=jnp.bfloat16).half_accumulations
     assert [(s["primitive"], s["dtype"], s["size"]) for s in sums] == [("scatter-add", "bfloat16", 768)]
+
+
+def test_a_count_of_ties_is_no_half_sum_but_a_sum_of_values_is():
+    """A bias-less head's bf16 logits under autocast (its `.astype(float32)` is a no-op in float32 code, so not in
+    the jaxpr): the cross-entropy's max has a derivative that counts the max's ties over the whole vocabulary in
+    bf16 (JAX writes it in the max's dtype). A count of booleans is exact far past any tie count, so it is no
+    half-precision accumulation and no warning; a bf16 sum of the same size still is."""
+    def loss_fn(params, batch, rng):
+        logits = batch @ params["head"]  # f32 code; bf16[64, 1024] under autocast (matmul class, no bias)
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), jnp.arange(64)).mean()
+
+    params = {"head": jax.random.normal(jax.random.key(0), (32, 1024)) * 0.1}
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16;autocast", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(1))
+    batch = jax.random.normal(jax.random.key(2), (64, 32))
+    assert precision_audit(state, batch, loss_fn).half_accumulations == ()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(train_step, static_argnames="loss_fn")(state, batch, loss_fn)
+    assert not [w for w in caught if issubclass(w.category, PrecisionWarning)]
+    with pytest.MonkeyPatch.context() as mp:  # the count is there, and only the exemption passes it
+        mp.setattr(jaxamp.audit._Walk, "_counts_booleans", lambda self, eqn: False)
+        sums = precision_audit(state, batch, loss_fn).half_accumulations
+    assert [(s["dtype"], s["size"]) for s in sums] == [("bfloat16", 1024)], sums
+
+
+@pytest.mark.parametrize("policy", ["bf16", "bf16;autocast"])
+def test_rows_inside_jaxamp_attention_name_the_users_line_that_called_it(policy):
+    """`jaxamp.attention.dot_product_attention` is a nested jit, whose body JAX traces with tracebacks that end at
+    the jit: its matmul rows still name the user's line that called it, the library entry point and the callers."""
+    from jaxamp.attention import dot_product_attention
+
+    def loss_fn(params, batch, rng):
+        qkv = (batch.astype(params["w"].dtype) @ params["w"]).reshape(2, 16, 3, 2, 32)  # [b, t, qkv, heads, dim]
+        out = dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)  # the call
+        return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+    line = inspect.getsourcelines(loss_fn)[1] + 2
+    state = TrainState.create(params={"w": jnp.ones((64, 192)) * 0.01}, tx=optax.sgd(0.1), policy=policy,
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+    rows = precision_audit(state, jnp.ones((2, 16, 64)), loss_fn).rows
+    attention = [r for r in rows if r["source"] != f"test_audit.py:{line - 1}"]  # all but the projection's 2
+    assert len(attention) == 6 and len(rows) == 8, rows  # QK and PV forward and their 4 backward matmuls
+    assert {(r["source"], r["library"]) for r in attention} == {
+        (f"test_audit.py:{line}", "jaxamp/attention.py:dot_product_attention")}, attention
+    assert all("loss_fn" in r["callers"] for r in attention), attention
