@@ -114,7 +114,8 @@ def report(rows: list[dict], size: dict, argv) -> str:
     lines = ["# What XLA:GPU compiles for the LM step on an H200 (deviceless: compiled, not run)", "",
              f"- command: `{harness.command_line(__file__, argv)}`", f"- machine: {harness.machine(backend=False)}",
              f"- date: {harness.now()}",
-             f"- model: {size['layers']} layers, {size['heads']} heads, width {size['width']}, seq {size['seq_len']}, "
+             f"- model: {size['layers']} layers{' (scanned)' if size.get('scan_layers') else ''}, "
+             f"{size['heads']} heads, width {size['width']}, seq {size['seq_len']}, "
              f"vocab {size['vocab']}, batch {size['batch_size']}", "- counts from the compiled program's text (a "
              "scanned block's GEMMs once); memory from `memory_analysis()` (live at peak is about argument + "
              "temp)", ""]
@@ -136,6 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=None,
                         help="blocks, the preset's other sizes kept (default: the preset's)")
+    parser.add_argument("--scan-layers", action="store_true", help="blocks as one nn.scan (gpu_check.sh's xl stage)")
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
                         help="gpu_throughput.py's rows: `bf16` is the cast policy, `bf16-autocast` float32 code "
                              "under autocast, ... (default: all)")
@@ -147,6 +149,7 @@ def main(argv=None) -> int:
     size = sizes(False, args.batch_size, args.model)
     if args.layers is not None:
         size["layers"] = args.layers
+    size["scan_layers"] = args.scan_layers
     try:
         sharding = h200_sharding()
     except RuntimeError as e:

@@ -1,4 +1,4 @@
-"""`autocast`: torch.amp's autocast as a JAX function transform (a jaxpr interpreter); tested with jax 0.10.2.
+"""`autocast`: torch.amp's autocast as a JAX function transform (a jaxpr interpreter); tested with jax 0.10.2, 0.11.2.
 
 `autocast(fn, jnp.bfloat16)` runs unchanged float32 JAX code (a linen `model.apply`, NNX or Equinox modules, plain
 `jnp`) with its matmuls in half precision and the numerically sensitive ops in float32, following torch.amp's CUDA
@@ -102,7 +102,9 @@ Known limitations:
   unknown primitives; their outputs are widened to float32.
 * Inside `pmap` nothing is rewritten (it runs as the original program did).
 
-Tested with jax 0.10.2, flax 0.12.8 (linen and NNX) and Equinox 0.13; uses no API deprecated in jax 0.10.
+Tested with jax 0.10.2, flax 0.12.8 (linen and NNX) and Equinox 0.13 (CI), and with jax 0.11.2 and flax 0.12.10
+(the whole test suite on a CPU, 12-04: jax 0.11's scan records its consts and carries as `ft_in`, read here); uses no
+API deprecated in jax 0.10.
 """
 
 from __future__ import annotations
@@ -450,7 +452,7 @@ def _scan_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     """scan: `lax.scan` over an interpreted body; carries keep their original dtype, stacked outputs the body's.
     Consts and xs keep their param paths in the body (a layer of `nn.scan`'s stacked params is that param)."""
     p = eqn.params
-    closed, n_consts, n_carry = p["jaxpr"], p["num_consts"], p["num_carry"]
+    closed, (n_consts, n_carry) = p["jaxpr"], _scan_counts(p)
     consts, init, xs = vals[:n_consts], vals[n_consts:n_consts + n_carry], vals[n_consts + n_carry:]
     targets = [mode.fixed_dtype(a.dtype) for a in closed.in_avals[n_consts:n_consts + n_carry]]
     if names is not None:
@@ -464,6 +466,15 @@ def _scan_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     init = [strong_cast(c, t) for c, t in zip(init, targets)]
     carry, ys = lax.scan(body, init, list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
     return [*carry, *ys]
+
+
+def _scan_counts(params: dict) -> tuple[int, int]:
+    """`(consts, carries)` of a scan equation: jax 0.10's `num_consts` / `num_carry`, or jax 0.11's `ft_in` (the
+    consts', carries' and xs' groups)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carries, _ = params["ft_in"].unpack()  # jax._src.flattree FlatTrees, one leaf per operand
+    return len(list(consts.vals)), len(list(carries.vals))
 
 
 def _while_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
