@@ -42,6 +42,7 @@ from benchmarks.gpu_step import (  # noqa: E402
     matmul_context,
     sizes,
 )
+from jaxamp.lm.model import REMAT_POLICIES  # noqa: E402
 from jaxamp.lm.presets import MODEL_PRESETS  # noqa: E402
 
 DEFAULT_OUT = harness.RESULTS / "gpu_compile.md"
@@ -114,7 +115,8 @@ def report(rows: list[dict], size: dict, argv) -> str:
     lines = ["# What XLA:GPU compiles for the LM step on an H200 (deviceless: compiled, not run)", "",
              f"- command: `{harness.command_line(__file__, argv)}`", f"- machine: {harness.machine(backend=False)}",
              f"- date: {harness.now()}",
-             f"- model: {size['layers']} layers{' (scanned)' if size.get('scan_layers') else ''}, "
+             f"- model: {size['layers']} layers{' (scanned)' if size.get('scan_layers') else ''}"
+             f"{'' if size.get('remat', 'none') == 'none' else ', remat ' + size['remat']}, "
              f"{size['heads']} heads, width {size['width']}, seq {size['seq_len']}, "
              f"vocab {size['vocab']}, batch {size['batch_size']}", "- counts from the compiled program's text (a "
              "scanned block's GEMMs once); memory from `memory_analysis()` (live at peak is about argument + "
@@ -138,6 +140,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None,
                         help="blocks, the preset's other sizes kept (default: the preset's)")
     parser.add_argument("--scan-layers", action="store_true", help="blocks as one nn.scan (gpu_check.sh's xl stage)")
+    parser.add_argument("--remat", choices=list(REMAT_POLICIES), default="none",
+                        help="rematerialisation of each block (train_lm.py's --remat; default: none)")
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
                         help="gpu_throughput.py's rows: `bf16` is the cast policy, `bf16-autocast` float32 code "
                              "under autocast, ... (default: all)")
@@ -149,7 +153,7 @@ def main(argv=None) -> int:
     size = sizes(False, args.batch_size, args.model)
     if args.layers is not None:
         size["layers"] = args.layers
-    size["scan_layers"] = args.scan_layers
+    size.update(scan_layers=args.scan_layers, remat=args.remat)
     try:
         sharding = h200_sharding()
     except RuntimeError as e:

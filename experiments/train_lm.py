@@ -93,7 +93,8 @@ HELP = {
     "remat": "rematerialise each block in the backward pass (less activation memory, more compute; same math, "
              "may change on resume): none | full (recompute the whole block) | dots (keep every matmul output, "
              "jax.checkpoint_policies.dots_saveable) | dots_with_no_batch_dims (keep the Dense outputs, recompute "
-             "the attention core: dots_with_no_batch_dims_saveable)",
+             "the attention core: dots_with_no_batch_dims_saveable) | elementwise (keep every output but the "
+             "elementwise ops': no matmul or attention recomputed; jaxamp.remat.recompute_elementwise)",
     "fidelity_every": "steps between gradient-fidelity checks: each leaf's relative error against a float32 "
                       "recomputation of the same batch, as grad_rel_err in metrics.jsonl (0 = off)",
     "max_consecutive_skips": "stop, after saving, when this many steps in a row overflow (or 10 at the minimum "

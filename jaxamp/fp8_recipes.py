@@ -47,9 +47,11 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxamp import fp8_quant
 from jaxamp.fp8_quant import E4M3, E5M2, MX_TILE, ROW_TILE, WEIGHT_TILE, check_mxfp8_dim, dequantize
+from jaxamp.remat import FP8_OUTPUT_NAME
 
 __all__ = ["FP8_EXCLUDE", "FP8_SCOPE", "MX_KERNEL_ENV", "RECIPES", "Operand", "Recipe", "fp8_dot_general", "fp8_scope",
            "get_recipe", "mx_kernel", "recipe_dot_general"]
@@ -179,7 +181,7 @@ class _Static:
 def _fp8_dot(x: jax.Array, w: jax.Array, static: _Static) -> jax.Array:
     r = static.recipe
     out = _dot(_quantize(x, r.x), _quantize(w, r.w), r.x, r.w, static.precision)  # f32[.., m, n]
-    return out.astype(static.out_dtype)
+    return checkpoint_name(out.astype(static.out_dtype), FP8_OUTPUT_NAME)  # what recompute_elementwise saves
 
 
 def _fp8_dot_fwd(x, w, static: _Static):
@@ -188,7 +190,7 @@ def _fp8_dot_fwd(x, w, static: _Static):
         check_mxfp8_dim(x.shape[-2], "the lhs's non-contracting size (rows: wgrad contracts over it)")
         check_mxfp8_dim(w.shape[-2], "the rhs's non-contracting size (dgrad contracts over it)")
     xq, wq = _quantize(x, r.x), _quantize(w, r.w)
-    out = _dot(xq, wq, r.x, r.w, static.precision).astype(static.out_dtype)
+    out = checkpoint_name(_dot(xq, wq, r.x, r.w, static.precision).astype(static.out_dtype), FP8_OUTPUT_NAME)
     # The backward's copies: x^T [.., k, m] tiled along m, w^T [.., k, n] tiled along n (or the forward's, transposed).
     x_res = xq if r.x.transposable else _quantize(_swap(x), r.x)
     w_res = wq if r.w.transposable else _quantize(_swap(w), r.w)

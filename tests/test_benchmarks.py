@@ -317,8 +317,8 @@ def test_fidelity_benchmark_tiny(tmp_path, text_corpus):
 def test_gpu_check_dry_run(tmp_path):
     """benchmarks/gpu_check.sh --dry-run: the GPU check's stages at --tiny sizes on the CPU, so it cannot rot. Its
     throughput stage runs three precisions here (`GPU_CHECK_PRECISIONS`; test_gpu_throughput_tiny runs every one
-    through the same script), its xl stage one, scanned; all five stages, the two opt-in ones included: the 8 files
-    the device tool can return."""
+    through the same script), its xl stage one, scanned with --remat elementwise; all five stages, the two opt-in
+    ones included: the 8 files the device tool can return."""
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(tmp_path)], cwd=REPO,
                           env={**FAST_ENV, "PYTHON": sys.executable, "GPU_CHECK_PRECISIONS": "bf16 fp16 fp8",
                                "GPU_CHECK_XL_PRECISIONS": "fp8-current",
@@ -330,7 +330,8 @@ def test_gpu_check_dry_run(tmp_path):
                                                     "gpu_throughput_xl.json", "gpu_paired.md", "gpu_profile.md"}
     xl = json.loads((tmp_path / "gpu_throughput_xl.json").read_text())
     assert set(xl["results"]) == {"fp8-current"} and xl["size"]["scan_layers"] is True
-    assert "layers (scanned)" in (tmp_path / "gpu_throughput_xl.md").read_text()
+    assert xl["size"]["remat"] == "elementwise"
+    assert "layers (scanned), remat elementwise" in (tmp_path / "gpu_throughput_xl.md").read_text()
     assert "backend cpu" in (tmp_path / "env.txt").read_text()
     # The cuDNN and FP8 GEMM checks need a GPU; the 20-step comparison is left to the GPU run.
     assert "3 passed, 5 skipped, 1 deselected" in (tmp_path / "check.log").read_text()

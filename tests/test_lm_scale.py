@@ -51,6 +51,7 @@ from jaxamp.lm.setup import (
     model_config,
 )
 from jaxamp.lm.train import train
+from jaxamp.remat import recompute_elementwise
 from jaxamp.state import TrainState
 from jaxamp.step import train_step
 
@@ -271,7 +272,8 @@ def test_remat_policy_names_are_jax_checkpoint_policies():
     assert remat_policy("full") is jax.checkpoint_policies.nothing_saveable
     assert remat_policy("dots") is jax.checkpoint_policies.dots_saveable
     assert remat_policy("dots_with_no_batch_dims") is jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    with pytest.raises(ValueError, match="remat must be one of none, full, dots, dots_with_no_batch_dims"):
+    assert remat_policy("elementwise") is recompute_elementwise
+    with pytest.raises(ValueError, match="remat must be one of none, full, dots, dots_with_no_batch_dims, elementwise"):
         remat_policy("everything")
     with pytest.raises(ValueError, match="TransformerConfig.remat must be one of"):
         dataclasses.replace(TINY, remat="nothing_saveable")
@@ -457,7 +459,8 @@ def test_flags_and_validation():
     assert "scan_layers" in train_lm.HELP and "remat" in train_lm.HELP and "gpt2-xl" in train_lm.HELP["model"]
     with pytest.raises(ConfigError) as err:
         validate(TrainConfig(remat="selective"))
-    assert str(err.value) == "--remat must be one of none, full, dots, dots_with_no_batch_dims, got 'selective'"
+    assert str(err.value) == ("--remat must be one of none, full, dots, dots_with_no_batch_dims, elementwise, "
+                              "got 'selective'")
     with pytest.raises(ConfigError, match=r"^--scan-layers needs --layers >= 1 \(blocks to scan over\), got 0$"):
         validate(TrainConfig(scan_layers=True, layers=0))
     for remat in REMATS:

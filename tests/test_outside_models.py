@@ -175,3 +175,71 @@ def test_autocast_runs_the_unchanged_model_in_half_precision(name, spec):
     assert report.half_fraction >= 0.95, str(report)
     assert not report.half_accumulations, str(report)
     assert {r["pass"] for r in report.rows} == {"forward", "backward"}
+
+
+@pytest.mark.parametrize("name", ["lm1b", "gemma_nnx", "esm2_equinox", "gpt2_hf"])
+def test_recompute_elementwise_saves_less_and_keeps_the_gradient(name):
+    """`jax.checkpoint(loss, policy=jaxamp.remat.recompute_elementwise)` around the unchanged model's loss under
+    bf16 autocast: the residuals the backward pass reads take at most 0.6x the bytes (measured 0.35x-0.53x: the
+    float32 widenings of half-precision matmul outputs are recomputed, not saved), the same matmuls run (none
+    twice), and the gradient is the same to within bf16's own noise (measured: gemma bitwise, gpt2 1.7e-7 and esm2
+    3e-9 of the gradient's norm; lm1b 2.6e-3, where XLA keeps excess precision in a fusion that the saved bf16
+    value rounds)."""
+    from jaxamp.remat import recompute_elementwise
+
+    trial = built(name)
+    loss = _plain_loss(trial)
+    params = _params(trial) if trial.kind != "nnx" else _nnx_state(trial)
+    plain = jaxamp.autocast(loss, jnp.bfloat16)
+    remat = jaxamp.autocast(jax.checkpoint(loss, policy=recompute_elementwise), jnp.bfloat16)
+
+    def residual_bytes(fn):
+        leaves = jax.eval_shape(lambda p: jax.tree.leaves(jax.vjp(fn, p)[1]), params)
+        return sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves)
+
+    assert residual_bytes(remat) <= 0.6 * residual_bytes(plain)
+    g_plain, g_remat = jax.jit(jax.grad(plain))(params), jax.jit(jax.grad(remat))(params)
+    assert jax.tree.structure(g_plain) == jax.tree.structure(g_remat)
+    diff = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)))
+    norm = sum(float(jnp.sum(a**2)) for a in jax.tree.leaves(g_plain))
+    assert diff <= (1e-2) ** 2 * norm, (diff / norm) ** 0.5
+
+    def matmuls(fn):
+        return sum(e.primitive.name in ("dot_general", "conv_general_dilated")
+                   for e in _all_eqns(jax.make_jaxpr(jax.grad(fn))(params).jaxpr))
+
+    assert matmuls(remat) == matmuls(plain)
+
+
+def _plain_loss(trial):
+    """The trial's loss as a function of its params alone (NNX: of its split state), on one fixed batch."""
+    batch = trial.make_batch(jax.random.key(0))
+    if trial.kind == "nnx":
+        from flax import nnx
+
+        graphdef, _ = nnx.split(trial.model)
+
+        def loss(state):
+            out = trial.loss_fn(nnx.merge(graphdef, state), batch)
+            return out[0] if isinstance(out, tuple) else out
+        return loss
+
+    def loss(params):
+        out = trial.loss_fn(params, batch, jax.random.key(1))
+        return out[0] if isinstance(out, tuple) else out
+    return loss
+
+
+def _nnx_state(trial):
+    from flax import nnx
+
+    return nnx.split(trial.model)[1]
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                yield from _all_eqns(inner)

@@ -39,6 +39,7 @@ MODULES = {
     "jaxamp.grad_stats": "overflowed leaves and underflow",
     "jaxamp.layers": "layers whose gradient sums stay float32",
     "jaxamp.attention": "attention as a float32 island (cuDNN's fused kernel in half precision)",
+    "jaxamp.remat": "a rematerialisation policy for mixed-precision blocks",
     "jaxamp.nnx": "Flax NNX models",
     "jaxamp.nnx_fp8": "FP8 layers for Flax NNX",
     "jaxamp.sharding": "meshes, sharded states and steps, several processes",
@@ -83,6 +84,10 @@ DATA_DOCS = {
     "MX_TILE": "The MXFP8 tile: one row by 32 elements.",
     "ROW_TILE": "Block scaling's activation and gradient tile: one row by 128 elements.",
     "WEIGHT_TILE": "Block scaling's weight tile: 128 by 128 elements.",
+    "FP8_OUTPUT_NAME": "The ``checkpoint_name`` of a stateless FP8 matmul's output in the compute dtype, which "
+                       "``recompute_elementwise`` saves instead of the float32 dot before its scales.",
+    "ELEMENTWISE": "The primitives ``recompute_elementwise`` recomputes in the backward pass: elementwise arithmetic "
+                   "and functions, converts, comparisons, selects and data movement.",
     "ATTENTION_JIT_NAMES": "The names of ``dot_product_attention``'s jits (``jaxamp_attention``, "
                            "``jaxamp_causal_attention``) and whether each is causal: what ``autocast`` looks for to "
                            "run the call as cuDNN's fused attention in the compute dtype.",

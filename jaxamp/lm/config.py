@@ -76,7 +76,7 @@ class TrainConfig:
     fp8_amax_history: int = 1024  # steps of amax history per FP8 tensor (--precision fp8)
     loss_chunk: int = 0  # tokens per block of the fused head + cross-entropy; 0 = whole f32 logits
     scan_layers: bool = False  # blocks as one nn.scan over stacked parameters (one compiled block for all layers)
-    remat: str = "none"  # rematerialisation of each block: none | full | dots | dots_with_no_batch_dims
+    remat: str = "none"  # rematerialisation of each block: none | full | dots | dots_with_no_batch_dims | elementwise
     max_consecutive_skips: int = 100  # stop (after saving) when this many steps in a row overflow
     keep: int = 3  # checkpoints kept (newest)
     seed: int = 1337

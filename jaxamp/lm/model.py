@@ -78,6 +78,7 @@ from jax import lax
 from jaxamp.attention import dot_product_attention
 from jaxamp.fp8_collection import FP8_COLLECTION
 from jaxamp.layers import Dense, Embed, add_bias
+from jaxamp.remat import recompute_elementwise
 
 __all__ = [
     "LM_KEEP_FLOAT32",
@@ -104,12 +105,15 @@ LM_KEEP_FLOAT32 = ("wte/embedding", "wpe/embedding")
 # `TransformerConfig.remat` -> the `jax.checkpoint_policies` entry each block is rematerialised with (None: none).
 # full: nothing saved, the whole block recomputed in the backward pass (`nn.remat`'s default); dots: every matmul
 # output saved, the rest (LayerNorm, GELU, softmax, dropout masks) recomputed; dots_with_no_batch_dims: only the
-# matmuls without batch dimensions saved (the Dense layers' outputs), the attention core's batched einsums recomputed.
+# matmuls without batch dimensions saved (the Dense layers' outputs), the attention core's batched einsums recomputed;
+# elementwise: every op's output saved but the elementwise ops' (`jaxamp.remat.recompute_elementwise`: matmul
+# outputs in the compute dtype, attention, norm statistics and FP8 operands saved; GELU, bias adds, casts recomputed).
 REMAT_POLICIES = {
     "none": None,
     "full": "nothing_saveable",
     "dots": "dots_saveable",
     "dots_with_no_batch_dims": "dots_with_no_batch_dims_saveable",
+    "elementwise": "recompute_elementwise",
 }
 # The scanned stack's parameter subtree (`h_0 .. h_{L-1}` stacked) and the unrolled blocks' names.
 STACK_NAME = "h"
@@ -397,6 +401,8 @@ def remat_policy(name: str):
     if name not in REMAT_POLICIES:
         raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, got {name!r}")
     policy = REMAT_POLICIES[name]
+    if policy == "recompute_elementwise":
+        return recompute_elementwise
     return None if policy is None else getattr(jax.checkpoint_policies, policy)
 
 
