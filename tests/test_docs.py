@@ -47,7 +47,7 @@ PUBLIC_MODULES = ("jaxamp", "jaxamp.loss_scale", "jaxamp.precision", "jaxamp.sta
                   "jaxamp.autocasting", "jaxamp.autocast_rules", "jaxamp.fp8_recipes", "jaxamp.fp8_quant",
                   "jaxamp.gradients", "jaxamp.finite", "jaxamp.metrics", "jaxamp.trainable", "jaxamp.fp8_collection",
                   "jaxamp.fidelity", "jaxamp.diagnostics", "jaxamp.fp8_report", "jaxamp.grad_stats", "jaxamp.layers",
-                  "jaxamp.attention", "jaxamp.nnx", "jaxamp.nnx_fp8", "jaxamp.sharding", "jaxamp.checkpoint")
+                  "jaxamp.attention", "jaxamp.remat", "jaxamp.nnx", "jaxamp.nnx_fp8", "jaxamp.sharding", "jaxamp.checkpoint")
 APP_ENTRY_POINTS = ("jaxamp.lm.config.TrainConfig", "jaxamp.lm.train.train", "jaxamp.lm.setup.build")
 
 
@@ -213,6 +213,7 @@ def check_autocast(lines):
     assert lines[2] == "{'bfloat16'}", lines  # forward and backward matmuls of autocast's x @ w: bfloat16
     assert float(lines[3]) > 0, lines
     assert lines[4] == "0.0 True", lines  # the cast policy: every matmul float32, because the images are float32
+    assert 0.1 < float(lines[5]) < 0.6, lines  # recompute_elementwise: a scanned block under autocast saves less
 
 
 def check_loops(lines):
