@@ -3,7 +3,8 @@
     python benchmarks/reference_seeds_table.py runs/reference_seeds --out benchmarks/results/reference_seeds.md
 
 RUNS_DIR holds `fp32-sSEED` and `fp8-current-sSEED` run directories (each with its summary.json). Seed 1337's pair
-is read from the committed `results/reference_recipes.md` (the runs of `reference_recipes.sh`), where it is there.
+is RUNS_DIR's own where it holds both (`fp32-s1337`, `fp8-current-s1337`), else read from the committed
+`results/reference_recipes.md` (the runs of `reference_recipes.sh`), where it is there.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def committed_1337(path: Path = RECIPES_MD) -> dict[str, float]:
             if len(cells) > 3 and cells[1].strip() in PRECISIONS}
 
 
-def table(by_seed: dict[int, dict[str, float]], argv) -> str:
+def table(by_seed: dict[int, dict[str, float]], argv, from_runs_1337: bool = False) -> str:
     """The markdown report: one row per seed with both runs, then the spread of the gaps and of fp32 itself."""
     seeds = sorted(s for s, v in by_seed.items() if all(p in v for p in PRECISIONS))
     gaps = [by_seed[s]["fp8-current"] / by_seed[s]["fp32"] - 1 for s in seeds]
@@ -57,7 +58,7 @@ def table(by_seed: dict[int, dict[str, float]], argv) -> str:
         f"- date: {harness.now()}; machine: {harness.machine(load=False)}",
         "- nanoGPT's shakespeare_char CPU recipe as reference_recipes.md (4 layers, 4 heads, width 128, 2000 steps "
         "of 12 x 64 tokens); `--seed` sets the init and the batch order; val loss: 50 fixed batches. Seed 1337: "
-        "the runs of reference_recipes.md.",
+        + ("RUNS_DIR's own runs." if from_runs_1337 else "the runs of reference_recipes.md."),
         "",
         *harness.table(["seed", "fp32 val loss", "fp8-current val loss", "fp8-current - fp32", "within 0.3%"]),
     ]
@@ -86,8 +87,9 @@ def main(argv=None) -> int:
     if not args.runs_dir.is_dir():
         parser.error(f"{args.runs_dir} is not a directory; run benchmarks/reference_seeds.sh first")
     by_seed = seed_runs(args.runs_dir)
+    own_1337 = all(p in by_seed.get(1337, {}) for p in PRECISIONS)
     by_seed.setdefault(1337, {}).update({k: v for k, v in committed_1337().items() if k not in by_seed[1337]})
-    harness.write_report(args.out, table(by_seed, list(sys.argv[1:] if argv is None else argv)))
+    harness.write_report(args.out, table(by_seed, list(sys.argv[1:] if argv is None else argv), own_1337))
     return 0
 
 

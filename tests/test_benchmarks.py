@@ -584,7 +584,12 @@ def test_reference_seeds_table(tmp_path, capsys):
     assert rows["1337"][:2] == [f"{committed['fp32']:.4f}", f"{committed['fp8-current']:.4f}"]
     gaps = [1.9055 / 1.90 - 1, 1.9248 / 1.92 - 1, committed["fp8-current"] / committed["fp32"] - 1]
     assert f"over 3 seeds: mean {sum(gaps) / 3:+.3%}" in text
-    assert "fp32 itself from seed to seed: " in text
+    assert "fp32 itself from seed to seed: " in text and "Seed 1337: the runs of reference_recipes.md" in text
+    for precision, val in (("fp32", 1.8996), ("fp8-current", 1.9049)):  # RUNS_DIR's own seed-1337 pair wins
+        _summary(tmp_path / "runs" / f"{precision}-s1337", precision, val)
+    assert seeds.main([str(tmp_path / "runs"), "--out", str(tmp_path / "seeds.md")]) == 0
+    text = (tmp_path / "seeds.md").read_text()
+    assert table_rows(text)["1337"] == ["1.8996", "1.9049", "+0.279%", "yes"] and "Seed 1337: RUNS_DIR's own" in text
     with pytest.raises(SystemExit):
         seeds.main([str(tmp_path / "missing"), "--out", str(tmp_path / "x.md")])
     assert "run benchmarks/reference_seeds.sh first" in capsys.readouterr().err

@@ -47,7 +47,8 @@ PUBLIC_MODULES = ("jaxamp", "jaxamp.loss_scale", "jaxamp.precision", "jaxamp.sta
                   "jaxamp.autocasting", "jaxamp.autocast_rules", "jaxamp.fp8_recipes", "jaxamp.fp8_quant",
                   "jaxamp.gradients", "jaxamp.finite", "jaxamp.metrics", "jaxamp.trainable", "jaxamp.fp8_collection",
                   "jaxamp.fidelity", "jaxamp.diagnostics", "jaxamp.fp8_report", "jaxamp.grad_stats", "jaxamp.layers",
-                  "jaxamp.attention", "jaxamp.remat", "jaxamp.nnx", "jaxamp.nnx_fp8", "jaxamp.sharding", "jaxamp.checkpoint")
+                  "jaxamp.attention", "jaxamp.remat", "jaxamp.nnx", "jaxamp.nnx_fp8", "jaxamp.sharding",
+                  "jaxamp.checkpoint")
 APP_ENTRY_POINTS = ("jaxamp.lm.config.TrainConfig", "jaxamp.lm.train.train", "jaxamp.lm.setup.build")
 
 
