@@ -36,8 +36,8 @@ __all__ = ["ELEMENTWISE", "FP8_OUTPUT_NAME", "recompute_elementwise"]
 # (`jaxamp.fp8_recipes`): saved instead of the `f8 . f8 -> f32` dot before them, at a half or quarter of its bytes.
 FP8_OUTPUT_NAME = "jaxamp_fp8_output"
 
-# Primitives recomputed in the backward pass: elementwise arithmetic and functions, comparisons and selects, and
-# data movement. Everything else (dot_general, conv, reductions, gathers, scatters, sorts, custom calls, loops) is
+# Primitives recomputed in the backward pass: elementwise arithmetic and functions, converts, comparisons and
+# selects, and data movement. Everything else (dot_general, conv, reductions, gathers, scatters, sorts, custom calls, loops) is
 # saved.
 ELEMENTWISE = frozenset({
     "abs", "add", "add_any", "and", "atan2", "broadcast_in_dim", "cbrt", "ceil", "clamp", "concatenate",

@@ -107,7 +107,8 @@ LM_KEEP_FLOAT32 = ("wte/embedding", "wpe/embedding")
 # output saved, the rest (LayerNorm, GELU, softmax, dropout masks) recomputed; dots_with_no_batch_dims: only the
 # matmuls without batch dimensions saved (the Dense layers' outputs), the attention core's batched einsums recomputed;
 # elementwise: every op's output saved but the elementwise ops' (`jaxamp.remat.recompute_elementwise`: matmul
-# outputs in the compute dtype, attention, norm statistics and FP8 operands saved; GELU, bias adds, casts recomputed).
+# outputs in the compute dtype, attention and norm statistics saved; GELU, bias adds, casts, FP8 quantization
+# recomputed; no matmul runs twice).
 REMAT_POLICIES = {
     "none": None,
     "full": "nothing_saveable",
