@@ -37,8 +37,8 @@ __all__ = ["ELEMENTWISE", "FP8_OUTPUT_NAME", "recompute_elementwise"]
 FP8_OUTPUT_NAME = "jaxamp_fp8_output"
 
 # Primitives recomputed in the backward pass: elementwise arithmetic and functions, converts, comparisons and
-# selects, and data movement. Everything else (dot_general, conv, reductions, gathers, scatters, sorts, custom calls, loops) is
-# saved.
+# selects, and data movement. Everything else (dot_general, conv, reductions, gathers, scatters, sorts, custom
+# calls, loops) is saved.
 ELEMENTWISE = frozenset({
     "abs", "add", "add_any", "and", "atan2", "broadcast_in_dim", "cbrt", "ceil", "clamp", "concatenate",
     "convert_element_type", "copy", "copy_p", "cos", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2",
