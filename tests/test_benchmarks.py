@@ -10,9 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import load_script, number, table_rows
 
+import jaxamp
 from jaxamp.lm.plotting import PlotError, plot_runs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -629,3 +633,43 @@ def test_fp8_fidelity_benchmark_tiny(tmp_path, text_corpus):
         bf16, fp8 = (list(map(number, rows[(p, weights)][2:])) for p in ("bf16", "fp8-current"))
         assert len(bf16) == 8 and all(0 < b < 2 for b in bf16)  # 7 kinds and the global error
         assert fp8[-1] > 3 * bf16[-1]  # e4m3/e5m2 round ~8x coarser than bf16
+
+
+def test_autocast_variants_round_the_gradients_and_results_they_say():
+    """benchmarks/autocast_variants.py's rules, on x @ w under bf16 autocast: `autocast` gives dw rounded to bfloat16;
+    `f32-grads` the float32 sum of the bfloat16 products, unrounded; `f32-results` also a float32 result. jaxamp's
+    own rule is back after each block."""
+    variants = load_script("benchmarks/autocast_variants.py")
+    shipped = variants.autocast_rules.FIRST_ORDER_RULES["dot_general"]
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((512, 64)), jnp.float32)
+    f = jaxamp.autocast(lambda w, x: x @ w, jnp.bfloat16)
+    xb = x.astype(jnp.bfloat16).astype(jnp.float32)
+    exact = jnp.dot(xb.T, jnp.ones((512, 16), jnp.float32), precision="highest")  # d sum(x @ w) / dw, f32 sum
+    got = {}
+    for name in variants.VARIANTS:
+        with variants.variant(name):
+            out = f(w, x)
+            got[name] = (out.dtype, jax.grad(lambda w: jnp.sum(f(w, x).astype(jnp.float32)))(w))
+        assert variants.autocast_rules.FIRST_ORDER_RULES["dot_general"] is shipped
+    assert [d for d, _ in got.values()] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
+    np.testing.assert_array_equal(got["autocast"][1], exact.astype(jnp.bfloat16).astype(jnp.float32))
+    for name in ("f32-grads", "f32-results"):
+        np.testing.assert_allclose(got[name][1], exact, rtol=1e-6)
+        assert not np.array_equal(got[name][1], got["autocast"][1]), name  # the rounding is gone
+
+
+@pytest.mark.slow
+def test_autocast_variants_tiny(tmp_path):
+    """benchmarks/autocast_variants.py on Hugging Face's GPT-2 for 2 steps: three rows, every leaf within its bound,
+    and float32 matmul results bring the worst leaf closer to float32 (0.85% -> 0.61% at these weights)."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "variants.md"
+    proc = run_script("benchmarks/autocast_variants.py", "--trials", "gpt2_hf", "--steps", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.read_text().splitlines()
+            if line.startswith("| gpt2_hf |")]
+    assert [r[1] for r in rows] == ["autocast", "f32-grads", "f32-results"] and all(r[2] == "28/28" for r in rows)
+    worst = {r[1]: number(r[3].split()[1]) for r in rows}
+    assert worst["f32-results"] < worst["autocast"], worst
