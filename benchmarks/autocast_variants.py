@@ -1,14 +1,14 @@
 """Where bf16 autocast's distance from float32 comes from: the same outside models under autocast as it is and under
 two numerics-only variants of its matmul rule that round less.
 
-    python benchmarks/autocast_variants.py                       # the four Transformers, 40 steps
+    python benchmarks/autocast_variants.py                       # the six outside models, 40 steps
     python benchmarks/autocast_variants.py --trials lm1b --steps 2 --out /tmp/v.md   # a test
 
 `autocast_models.py` finds bf16 autocast outside two of the autocast issue's yardsticks on some models: lm1b's
-attention query kernel 2.1% off float32 (26 of 29 leaves within max(2%, 1.5x its noise floor)), and the 40-step
-losses of Gemma, ESM2 and GPT-2 1.6-2.8x further from float32 than float32 started from weights rounded once to
-bfloat16. Under `bf16;autocast` (policy of `autocast_models.py`, the same batches, Adam, steps and yardsticks), each
-row swaps the rule of `dot_general` (convolutions keep theirs):
+attention query kernel 2.1% off float32 (26 of 29 leaves within max(2%, 1.5x its noise floor)), the ResNet's
+BatchNorm scales (6 of 10), and the 40-step losses of Gemma, ESM2 and GPT-2 1.6-2.8x further from float32 than
+float32 started from weights rounded once to bfloat16. Under `bf16;autocast` (the policy of `autocast_models.py`, the
+same batches, Adam, steps and yardsticks), each row swaps the rule of `dot_general` and `conv_general_dilated`:
 
 - `autocast`: as jaxamp ships it (torch.amp's rule): operands and result in bfloat16, float32 accumulation; the
   gradients of the operands come out of the backward GEMMs in bfloat16;
@@ -21,7 +21,7 @@ row swaps the rule of `dot_general` (convolutions keep theirs):
 
 The variants are numerics only: their backward computes the float32-output GEMMs as float32 dots of
 bfloat16-valued operands (on a CPU the same numbers; on a GPU that form would be a float32 GEMM), and they are
-applied by swapping `jaxamp.autocast_rules.FIRST_ORDER_RULES["dot_general"]` inside this process.
+applied by swapping `jaxamp.autocast_rules.FIRST_ORDER_RULES`' matmul entries inside this process.
 """
 
 from __future__ import annotations
@@ -46,29 +46,42 @@ from benchmarks.autocast_models import Runner, each_trial, gradient_row  # noqa:
 from jaxamp import autocast_rules  # noqa: E402
 
 DEFAULT_OUT = harness.RESULTS / "autocast_variants.md"
-TRANSFORMERS = ["lm1b", "gemma_nnx", "esm2_equinox", "gpt2_hf"]
+TRIAL_NAMES = ["lm1b", "gemma_nnx", "esm2_equinox", "gpt2_hf", "imagenet_resnet", "mnist_cnn_nnx"]
+OPS = ("dot_general", "conv_general_dilated")
 VARIANTS = {"autocast": None, "f32-grads": "bfloat16", "f32-results": "float32"}  # variant: its matmul result dtype
 POLICY = "bf16;autocast"
 F32 = np.dtype(np.float32)
 
 
+class _Op:
+    """A matmul primitive and its params (but the result dtype and precision), bound by `__call__`; hashed by
+    identity (a custom_vjp static argument)."""
+
+    def __init__(self, eqn):
+        self.primitive = eqn.primitive
+        self.params = {k: v for k, v in eqn.params.items() if k not in ("preferred_element_type", "precision")}
+
+    def __call__(self, a, b, out_dtype=None, precision=None):
+        return self.primitive.bind(a, b, preferred_element_type=out_dtype, precision=precision, **self.params)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _matmul(x, w, dims, out_dtype, wide):
-    """dot_general of `x`, `w` rounded to bfloat16, result in `out_dtype`; `wide[i]`: operand i's gradient in
-    float32 (it was float32 before the rounding)."""
-    return _matmul_fwd(x, w, dims, out_dtype, wide)[0]
+def _matmul(x, w, op, out_dtype, wide):
+    """`op` on `x`, `w` rounded to bfloat16, result in `out_dtype`; `wide[i]`: operand i's gradient in float32 (it
+    was float32 before the rounding)."""
+    return _matmul_fwd(x, w, op, out_dtype, wide)[0]
 
 
-def _matmul_fwd(x, w, dims, out_dtype, wide):
+def _matmul_fwd(x, w, op, out_dtype, wide):
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    return lax.dot_general(xb, wb, dims, preferred_element_type=out_dtype), (xb, wb)
+    return op(xb, wb, out_dtype), (xb, wb)
 
 
-def _matmul_bwd(dims, out_dtype, wide, residuals, g):
+def _matmul_bwd(op, out_dtype, wide, residuals, g):
     xb, wb = residuals
     g = g.astype(jnp.bfloat16).astype(F32)  # the output gradient as a bfloat16 GEMM operand
-    _, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST),
-                     xb.astype(F32), wb.astype(F32))
+    highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+    _, vjp = jax.vjp(lambda a, b: op(a, b, None, highest), xb.astype(F32), wb.astype(F32))
     grads = vjp(g)  # bfloat16-valued operands, float32 sums
     return tuple(d if keep else d.astype(jnp.bfloat16).astype(p.dtype) for d, keep, p in zip(grads, wide, (xb, wb)))
 
@@ -77,9 +90,9 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def variant_rule(out_dtype: str):
-    """A `dot_general` rule: float32/bfloat16 operands with at least one float32 go through `_matmul`; the rest as
+    """A matmul rule: float32/bfloat16 operands with at least one float32 go through `_matmul`; the rest as
     autocast does."""
-    shipped = autocast_rules.FIRST_ORDER_RULES["dot_general"]
+    shipped = autocast_rules.matmul_rule
 
     def rule(eqn, vals, mode, bounds=None):
         dtypes = [autocast_rules.dtype_of(v) for v in vals[:2]]
@@ -88,22 +101,22 @@ def variant_rule(out_dtype: str):
                 or eqn.params.get("preferred_element_type") not in (None, F32, np.dtype(jnp.bfloat16))):
             return shipped(eqn, vals, mode, bounds)
         wide = tuple(d == F32 for d in dtypes)
-        return [_matmul(vals[0], vals[1], eqn.params["dimension_numbers"], np.dtype(out_dtype), wide)]
+        return [_matmul(vals[0], vals[1], _Op(eqn), np.dtype(out_dtype), wide)]
 
     return rule
 
 
 @contextlib.contextmanager
 def variant(name: str):
-    """Autocast's `dot_general` rule swapped for `name`'s inside the block (traces cleared on entry and exit)."""
-    shipped = autocast_rules.FIRST_ORDER_RULES["dot_general"]
+    """Autocast's matmul rules (`OPS`) swapped for `name`'s inside the block (traces cleared on entry and exit)."""
+    shipped = {op: autocast_rules.FIRST_ORDER_RULES[op] for op in OPS}
     if VARIANTS[name] is not None:
-        autocast_rules.FIRST_ORDER_RULES["dot_general"] = variant_rule(VARIANTS[name])
+        autocast_rules.FIRST_ORDER_RULES.update(dict.fromkeys(OPS, variant_rule(VARIANTS[name])))
     jax.clear_caches()
     try:
         yield
     finally:
-        autocast_rules.FIRST_ORDER_RULES["dot_general"] = shipped
+        autocast_rules.FIRST_ORDER_RULES.update(shipped)
         jax.clear_caches()
 
 
@@ -147,7 +160,7 @@ def report(rows: dict, steps: int, argv) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", nargs="*", default=TRANSFORMERS, choices=TRANSFORMERS)
+    parser.add_argument("--trials", nargs="*", default=TRIAL_NAMES, choices=TRIAL_NAMES)
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (default: %(default)s)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)

@@ -640,7 +640,7 @@ def test_autocast_variants_round_the_gradients_and_results_they_say():
     `f32-grads` the float32 sum of the bfloat16 products, unrounded; `f32-results` also a float32 result. jaxamp's
     own rule is back after each block."""
     variants = load_script("benchmarks/autocast_variants.py")
-    shipped = variants.autocast_rules.FIRST_ORDER_RULES["dot_general"]
+    shipped = {op: variants.autocast_rules.FIRST_ORDER_RULES[op] for op in variants.OPS}
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((512, 64)), jnp.float32)
@@ -652,12 +652,22 @@ def test_autocast_variants_round_the_gradients_and_results_they_say():
         with variants.variant(name):
             out = f(w, x)
             got[name] = (out.dtype, jax.grad(lambda w: jnp.sum(f(w, x).astype(jnp.float32)))(w))
-        assert variants.autocast_rules.FIRST_ORDER_RULES["dot_general"] is shipped
+        assert all(variants.autocast_rules.FIRST_ORDER_RULES[op] is rule for op, rule in shipped.items())
     assert [d for d, _ in got.values()] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
     np.testing.assert_array_equal(got["autocast"][1], exact.astype(jnp.bfloat16).astype(jnp.float32))
     for name in ("f32-grads", "f32-results"):
         np.testing.assert_allclose(got[name][1], exact, rtol=1e-6)
         assert not np.array_equal(got[name][1], got["autocast"][1]), name  # the rounding is gone
+    conv = jaxamp.autocast(lambda k, img: jax.lax.conv(img, k, (1, 1), "SAME"), jnp.bfloat16)  # NCHW, OIHW
+    k, img = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((4, 3, 3, 3), (8, 3, 16, 16)))
+    conv_grads = {}
+    for name in variants.VARIANTS:
+        with variants.variant(name):
+            assert conv(k, img).dtype == (jnp.float32 if name == "f32-results" else jnp.bfloat16), name
+            conv_grads[name] = jax.grad(lambda k: jnp.sum(conv(k, img).astype(jnp.float32)))(k)
+    assert np.array_equal(conv_grads["autocast"], conv_grads["autocast"].astype(jnp.bfloat16).astype(jnp.float32))
+    assert not np.array_equal(conv_grads["f32-grads"], conv_grads["f32-grads"].astype(jnp.bfloat16).astype(
+        jnp.float32))  # a float32 kernel gradient, not a bfloat16 one
 
 
 @pytest.mark.slow
