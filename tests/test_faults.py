@@ -211,6 +211,28 @@ def test_a_failed_saves_leftovers_collected_at_exit_stay_quiet(when):
         assert result.stderr == ""
 
 
+LEFTOVERS_AT_TEARDOWN = """
+import warnings
+from jaxamp import checkpoint_quiet
+library = {}
+exec(compile("async def write_fragment():\\n    pass\\n", checkpoint_quiet._LIBRARY_DIRS[0] + "x.py", "exec"), library)
+with warnings.catch_warnings():  # as jaxamp.lm.train's run: the block's end restores the filters it found
+    checkpoint_quiet.after_failed_save()
+HELD = [library["write_fragment"]() for _ in range(3)]  # orbax's leftovers, alive until the interpreter's teardown
+"""
+
+
+@pytest.mark.slow
+def test_leftovers_that_live_until_teardown_stay_quiet_after_a_catch_warnings_block():
+    """CI run at c1e05b3 (1 in 4 runs of test_a_save_that_cannot_be_written_ends_in_one_line): "sys:1:
+    RuntimeWarning: coroutine 'async_serialize_from_host.<locals>.write_fragment' was never awaited" after the
+    error line. The run's `warnings.catch_warnings()` had dropped after_failed_save's filter when the error left it,
+    and the coroutine was collected in the interpreter's teardown. The same three lines here, before the fix."""
+    result = subprocess.run([sys.executable, "-c", LEFTOVERS_AT_TEARDOWN], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+
+
 def test_slow_saves_are_noted_once(tmp_path, monkeypatch):
     """Campaign input (a loaded machine, a save every 4 steps): orbax logged "Waiting for previous save to complete
     took 2.210367 seconds ..." at every save, on stderr of runs that a fault then stopped. It is dropped; jaxamp says

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from jaxamp.audit import PrecisionWarning
 from jaxamp.checkpoint import Checkpointer, CheckpointError, CheckpointSaveError
+from jaxamp.checkpoint_quiet import after_failed_save
 from jaxamp.fp8_collection import split_fp8
 from jaxamp.lm.config import ConfigError, TrainConfig, validate_scale_out
 from jaxamp.lm.corpus import write_bpe_cache
@@ -159,6 +160,15 @@ def train(cfg: TrainConfig) -> dict:
             warnings.simplefilter("ignore", PrecisionWarning)
             return dry_run(run)
     workdir, ckpt, lock = open_workdir(cfg)
+    try:
+        return _run_in_workdir(run, workdir, ckpt, lock)
+    except CheckpointSaveError:
+        after_failed_save()  # the run's catch_warnings block restored the filters it found: orbax's leftovers' again
+        raise
+
+
+def _run_in_workdir(run: Run, workdir: Path, ckpt: Checkpointer, lock) -> dict:
+    """`_train_in_workdir` under the workdir's lock, with a failure to write told in one line with resume advice."""
     # Signals are held from here to the end: one that arrives after the loop (final save, summary, sample) lets the
     # finished run complete and exit 0.
     # The run prints the precision audit's summary when it starts; train_step's PrecisionWarning would repeat it.
