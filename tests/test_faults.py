@@ -224,7 +224,7 @@ HELD = [library["write_fragment"]() for _ in range(3)]  # orbax's leftovers, ali
 
 @pytest.mark.slow
 def test_leftovers_that_live_until_teardown_stay_quiet_after_a_catch_warnings_block():
-    """CI run at c1e05b3 (1 in 4 runs of test_a_save_that_cannot_be_written_ends_in_one_line): "sys:1:
+    """CI emulation at 350dc30 (1 in 4 runs of test_a_save_that_cannot_be_written_ends_in_one_line): "sys:1:
     RuntimeWarning: coroutine 'async_serialize_from_host.<locals>.write_fragment' was never awaited" after the
     error line. The run's `warnings.catch_warnings()` had dropped after_failed_save's filter when the error left it,
     and the coroutine was collected in the interpreter's teardown. The same three lines here, before the fix."""
