@@ -145,19 +145,34 @@ def measure(name: str, steps: int, noise_samples: int) -> dict:
     cast = Runner(name, "bf16", jaxamp.NoOpLossScale()).audit()
     fp32 = Runner(name, "fp32", jaxamp.NoOpLossScale()).losses(steps)
     noise = Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16).losses(steps)
-    spread = [float(np.mean(np.abs(np.subtract(Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16,
-                                                      rounding_key=jax.random.key(k)).losses(steps), fp32))))
-              for k in range(noise_samples)]
+    spread = [loss_gap(Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16,
+                              rounding_key=jax.random.key(k)).losses(steps), fp32) for k in range(noise_samples)]
     row = {"kind": TRIALS[name]().kind, "cast": cast, "policies": {}, "spread": sorted(spread)}
     for policy, loss_scale in POLICIES.items():
         runner = Runner(name, policy, loss_scale())
         audit, grads = runner.audit(), gradient_row(runner.fidelity())
         mixed = runner.losses(steps)
-        gap = float(np.mean(np.abs(np.subtract(mixed, fp32))))
-        floor = float(np.mean(np.abs(np.subtract(noise, fp32))))
+        gap, floor = loss_gap(mixed, fp32), loss_gap(noise, fp32)
         row["policies"][policy] = {"audit": audit, "grads": grads, "gap": gap, "noise": floor,
                                    "last": (mixed[-1], fp32[-1])}
     return row
+
+
+def loss_gap(losses, reference) -> float:
+    """The mean |difference| of two runs' per-step losses."""
+    return float(np.mean(np.abs(np.subtract(losses, reference))))
+
+
+def worst_cell(grads: dict) -> str:
+    """`gradient_row`'s worst leaf as "name error% (floor floor%)", or "-"."""
+    name, err, floor = grads["worst"]
+    return f"{name} {100 * err:.2f}% (floor {100 * floor:.2f}%)" if name else "-"
+
+
+def noise_cells(gap: float, noise: float) -> list[str]:
+    """The loss gap over float32's own noise, and whether it is within (<= 1.5)."""
+    ratio = gap / noise if noise > 0 else float("inf")
+    return [f"{ratio:.2f}", "yes" if ratio <= 1.5 else "no"]
 
 
 def report(rows: dict, steps: int, argv) -> str:
@@ -179,11 +194,8 @@ def report(rows: dict, steps: int, argv) -> str:
     for name, r in rows.items():
         for policy, p in r["policies"].items():
             g = p["grads"]
-            worst = f"{g['worst'][0]} {100 * g['worst'][1]:.2f}% (floor {100 * g['worst'][2]:.2f}%)" if g["worst"][0] \
-                else "-"
-            ratio = p["gap"] / p["noise"] if p["noise"] > 0 else float("inf")
-            table.append([name, policy, f"{g['within']}/{g['counted']}", str(g["near_zero"]), worst,
-                          f"{p['gap']:.2e}", f"{p['noise']:.2e}", f"{ratio:.2f}", "yes" if ratio <= 1.5 else "no",
+            table.append([name, policy, f"{g['within']}/{g['counted']}", str(g["near_zero"]), worst_cell(g),
+                          f"{p['gap']:.2e}", f"{p['noise']:.2e}", *noise_cells(p["gap"], p["noise"]),
                           *spread_cells(p["gap"], r["spread"])])
     lines += harness.table(["model", "policy", "leaves within max(2%, 1.5x floor)", "near-zero leaves",
                             "worst leaf (error / its noise floor)", "loss gap to fp32 (mean abs)",

@@ -42,7 +42,7 @@ from jax import lax  # noqa: E402
 
 import jaxamp  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from benchmarks.autocast_models import Runner, each_trial, gradient_row  # noqa: E402
+from benchmarks.autocast_models import Runner, each_trial, gradient_row, loss_gap, noise_cells, worst_cell  # noqa: E402
 from jaxamp import autocast_rules  # noqa: E402
 
 DEFAULT_OUT = harness.RESULTS / "autocast_variants.md"
@@ -123,13 +123,13 @@ def variant(name: str):
 def measure(name: str, steps: int) -> dict:
     fp32 = Runner(name, "fp32", jaxamp.NoOpLossScale()).losses(steps)
     noise = Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16).losses(steps)
-    floor = float(np.mean(np.abs(np.subtract(noise, fp32))))
+    floor = loss_gap(noise, fp32)
     rows = {}
     for v in VARIANTS:
         with variant(v):
             runner = Runner(name, POLICY, jaxamp.NoOpLossScale())
             grads = gradient_row(runner.fidelity())
-            gap = float(np.mean(np.abs(np.subtract(runner.losses(steps), fp32))))
+            gap = loss_gap(runner.losses(steps), fp32)
         rows[v] = {"grads": grads, "gap": gap, "noise": floor}
     return rows
 
@@ -143,11 +143,8 @@ def report(rows: dict, steps: int, argv) -> str:
     for name, variants in rows.items():
         for v, p in variants.items():
             g = p["grads"]
-            worst = f"{g['worst'][0]} {100 * g['worst'][1]:.2f}% (floor {100 * g['worst'][2]:.2f}%)" \
-                if g["worst"][0] else "-"
-            ratio = p["gap"] / p["noise"] if p["noise"] > 0 else float("inf")
-            table.append([name, v, f"{g['within']}/{g['counted']}", worst, f"{p['gap']:.2e}", f"{p['noise']:.2e}",
-                          f"{ratio:.2f}", "yes" if ratio <= 1.5 else "no"])
+            table.append([name, v, f"{g['within']}/{g['counted']}", worst_cell(g), f"{p['gap']:.2e}",
+                          f"{p['noise']:.2e}", *noise_cells(p["gap"], p["noise"])])
     lines += harness.table(["model", "matmul rule", "leaves within max(2%, 1.5x floor)",
                             "worst leaf (error / its noise floor)", "loss gap to fp32 (mean abs)", "fp32's own noise",
                             "ratio", "within noise (<= 1.5)"], table, "llrlrrrl")
