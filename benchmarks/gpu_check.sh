@@ -110,10 +110,10 @@ STAGES=" ${GPU_CHECK_STAGES:-tests throughput xl} "
 wanted() { [[ $STAGES == *" $1 "* ]]; }
 wanted tests && stage tests 120 $PY -m pytest -q "${TESTS[@]}" -rs -s -p no:cacheprovider
 read -r -a PRECISIONS <<<"${GPU_CHECK_PRECISIONS:-bf16 fp8-current fp8}"
-wanted throughput && stage throughput 200 $PY benchmarks/gpu_throughput.py "${SIZE[@]}" ${DATA[@]+"${DATA[@]}"} \
+wanted throughput && stage throughput $((60 * ${#PRECISIONS[@]} + 30)) $PY benchmarks/gpu_throughput.py "${SIZE[@]}" ${DATA[@]+"${DATA[@]}"} \
   --precisions "${PRECISIONS[@]}" --out "$OUTDIR/gpu_throughput.md" --json "$OUTDIR/gpu_throughput.json"
 read -r -a XL_PRECISIONS <<<"${GPU_CHECK_XL_PRECISIONS:-bf16 fp8-current fp8-moments}"
-wanted xl && stage xl 270 $PY benchmarks/gpu_throughput.py "${XL[@]}" ${DATA[@]+"${DATA[@]}"} \
+wanted xl && stage xl $((80 * ${#XL_PRECISIONS[@]} + 30)) $PY benchmarks/gpu_throughput.py "${XL[@]}" ${DATA[@]+"${DATA[@]}"} \
   --precisions "${XL_PRECISIONS[@]}" --out "$OUTDIR/gpu_throughput_xl.md" --json "$OUTDIR/gpu_throughput_xl.json"
 wanted paired && stage paired 120 $PY benchmarks/gpu_paired.py "${PAIRED[@]}" --precisions bf16 fp16 \
   --out "$OUTDIR/gpu_paired.md"
