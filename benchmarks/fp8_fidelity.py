@@ -43,7 +43,7 @@ from jaxamp.lm.data import batch_at  # noqa: E402
 from jaxamp.lm.setup import build, make_loss_fn, train_batch  # noqa: E402
 
 DEFAULT_OUT = harness.RESULTS / "fp8_fidelity.md"
-PRECISIONS = ("bf16", "bf16;autocast", "fp8", "fp8-current", "fp8-block", "mxfp8")
+PRECISIONS = ("bf16", "bf16;autocast", "fp8", "fp8-current", "fp8-current-pow2", "fp8-block", "mxfp8")
 FULL = dict(layers=4, heads=4, width=128, seq_len=64, batch_size=12)  # the reference runs' model and batch
 TINY = dict(layers=1, heads=2, width=64, seq_len=32, batch_size=8)  # mxfp8 needs multiples of 32
 MEASURE_ROWS = 64  # sequences per measured batch (64 x 64 = 4,096 tokens at full size)

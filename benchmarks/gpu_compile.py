@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -108,7 +110,44 @@ def compile_precision(name: str, size: dict, sharding) -> dict:
                                        for k in ("argument", "output", "alias", "temp")}
     dots = collections.Counter(f"{a} x {b}" for a, b in dot_operand_dtypes(text))
     return {"precision": name, "compile_s": compile_s, "n_params": info["n_params"],
-            "calls": custom_calls(text), "dots": dict(dots), "memory": memory}
+            "calls": custom_calls(text), "dots": dict(dots), "memory": memory,
+            "fp8_outputs": fp8_gemm_outputs(text), "traffic": kernel_traffic(text)}
+
+
+_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "f8e4m3fn": 1, "f8e5m2": 1, "s8": 1, "u8": 1,
+          "pred": 1}
+_KERNEL_OPS = ("fusion", "custom-call", "copy", "transpose", "reduce", "convert")  # each runs as its own kernel(s)
+_ENTRY_LINE = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\(([^)]*)\)")
+
+
+def _nbytes(hlo_type: str) -> int:
+    """Bytes of an HLO type such as `(bf16[32768,768]{1,0}, s8[4194304]{0})` (tuples summed)."""
+    return sum(_BYTES.get(dt, 0) * math.prod(int(d) for d in dims.split(",") if d)
+               for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", hlo_type))
+
+
+def kernel_traffic(hlo_text: str) -> int:
+    """Bytes the entry computation's kernels write plus read (outputs and operands of its fusions, custom calls,
+    copies...; a cuBLAS call's workspace left out): a proxy of the step's memory traffic, not a timing."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    types, total = {}, 0
+    for line in entry.splitlines()[1:]:
+        m = _ENTRY_LINE.match(line)
+        if not m:
+            continue
+        name, typ, op, operands = m.groups()
+        types[name] = typ
+        if op in _KERNEL_OPS:
+            out = typ.split(", s8[")[0] if op == "custom-call" else typ  # (result, s8[workspace])
+            total += _nbytes(out) + sum(_nbytes(types.get(a.strip().lstrip("%"), "")) for a in operands.split(","))
+    return total
+
+
+def fp8_gemm_outputs(hlo_text: str) -> dict:
+    """Result dtypes of the cuBLASLt FP8 GEMM calls: `{"bf16": 16, "f32": 8}`."""
+    found = re.findall(r"= \((\w+)\[[^\n]*custom_call_target=\"__cublas\$lt\$matmul\$f8\"", hlo_text)
+    return dict(collections.Counter(found))
 
 
 def report(rows: list[dict], size: dict, argv) -> str:
@@ -125,10 +164,13 @@ def report(rows: list[dict], size: dict, argv) -> str:
     for r in rows:
         c, m = r["calls"], r["memory"] or {}
         dots = ", ".join(f"{k}: {v}" for k, v in sorted(r["dots"].items(), key=lambda kv: -kv[1]))
+        outputs = ", ".join(f"{k}: {v}" for k, v in sorted(r["fp8_outputs"].items())) or "-"
         table.append([r["precision"], str(c["cudnn_attention"]), str(c["f8_gemm"]), str(c["gemm"]), dots or "-",
-                      harness.mib(m.get("argument")), harness.mib(m.get("temp")), f"{r['compile_s']:.1f}"])
+                      outputs, f"{r['traffic'] / 2**30:,.2f}", harness.mib(m.get("argument")),
+                      harness.mib(m.get("temp")), f"{r['compile_s']:.1f}"])
     lines += harness.table(["precision", "cuDNN attention", "FP8 GEMMs", "GEMMs", "Triton/XLA dots by operand dtypes",
-                            "argument MiB", "temp MiB", "compile s"], table, "lrrrlrrr")
+                            "cuBLASLt FP8 GEMM outputs", "kernel GiB written + read", "argument MiB", "temp MiB",
+                            "compile s"], table, "lrrrllrrrr")
     return "\n".join(lines) + "\n"
 
 
@@ -145,6 +187,10 @@ def main(argv=None) -> int:
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
                         help="gpu_throughput.py's rows: `bf16` is the cast policy, `bf16-autocast` float32 code "
                              "under autocast, ... (default: all)")
+    parser.add_argument("--cublas", action="store_true",
+                        help="GEMMs as cuBLAS calls, no Triton GEMM fusions (XLA_FLAGS=--xla_gpu_enable_triton_gemm="
+                             "false): what a GPU's autotuner picked on the H100 (12-05), where deviceless XLA takes "
+                             "Triton's default configs")
     parser.add_argument("--out", default=str(DEFAULT_OUT),
                         help="the markdown table to write (default: benchmarks/results/gpu_compile.md in the checkout)")
     args = parser.parse_args(argv)
@@ -154,6 +200,8 @@ def main(argv=None) -> int:
     if args.layers is not None:
         size["layers"] = args.layers
     size.update(scan_layers=args.scan_layers, remat=args.remat)
+    if args.cublas:  # read when the CUDA plugin's compiler starts, below
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_enable_triton_gemm=false".strip()
     try:
         sharding = h200_sharding()
     except RuntimeError as e:

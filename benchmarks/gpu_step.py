@@ -23,6 +23,7 @@ PRECISIONS = {  # name -> (jaxamp policy, dynamic loss scale?, matmul precision 
     # stateless FP8 recipes through autocast (the tied head excluded by name), and bf16 Adam moments.
     "bf16-autocast": ("bf16;autocast", False, None, "16bit", 0),
     "fp8-current": ("fp8-current", False, None, "fp8", 0),
+    "fp8-current-pow2": ("fp8-current-pow2", False, None, "fp8", 0),  # power-of-2 scales: bf16 GEMM outputs
     "fp8-block": ("fp8-block", False, None, "fp8", 0),
     "bf16-moments": ("bf16;opt_state=bf16", False, None, "16bit", 0),
     "fp8-moments": ("fp8-current;opt_state=bf16", False, None, "fp8", 0),  # issue 23's XL memory goal: both savings

@@ -57,11 +57,11 @@ HELP = {
     "model": "model size preset: small (4 layers, 4 heads, width 128, seq 64) | gpt2-124m (12, 12, 768, 1024) | "
              "gpt2-medium (24, 16, 1024, 1024) | gpt2-xl (48, 25, 1600, 1024; 1.56B parameters); "
              "--layers/--heads/--width/--seq-len override it",
-    "precision": "fp32 | bf16 | fp16 | fp8 (bf16 compute, Dense matmuls in FP8 with delayed scaling) | "
-                 "fp8-current | fp8-block | mxfp8 (stateless FP8 recipes: the model under autocast, its Dense "
-                 "matmuls in FP8, the head bf16) | auto (bf16 on TPUs and GPUs of compute capability >= 8.0, fp16 "
-                 "on 7.x, fp32 on older GPUs and CPUs) | a jmp policy string such as 'p=f32,c=f16,o=f32'; rules "
-                 "may follow: ';autocast', ';opt_state=bf16' (Adam moments in bfloat16), ';keep_float32=...' "
+    "precision": "fp32 | bf16 | fp16 | fp8 (bf16 compute, Dense matmuls in FP8 with delayed scaling) | fp8-current "
+                 "| fp8-current-pow2 | fp8-block | mxfp8 (stateless FP8 recipes: the model under autocast, its "
+                 "Dense matmuls in FP8, the head bf16) | auto (bf16 on TPUs and GPUs of compute capability >= 8.0, "
+                 "fp16 on 7.x, fp32 on older GPUs and CPUs) | a jmp policy string such as 'p=f32,c=f16,o=f32'; "
+                 "rules may follow: ';autocast', ';opt_state=bf16' (Adam moments in bfloat16), ';keep_float32=...' "
                  "(docs/guide/policies.md); may change between fp32, bf16 and fp16 on resume (the loss scale is "
                  "then made anew)",
     "loss_scale": "auto (dynamic for float16 compute, else none) | dynamic | static | none",

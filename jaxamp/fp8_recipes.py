@@ -10,8 +10,9 @@ No amax history, no FP8 collection: each matmul quantizes its operands from thei
 Recipes (`RECIPES`; the quantizers are in `jaxamp.fp8_quant`), for `out = x @ w` with `x: bf16[..., m, k]` (lhs, the
 activation), `w: bf16[k, n]` (rhs, the weight) and output gradient `g: bf16[..., m, n]`:
 
-* `current`: x and w e4m3, g e5m2, one scale per tensor. The backward reuses the forward's FP8 x and w (a transpose
-  keeps a per-tensor scale) and quantizes g once for both dgrad (`g @ w.T`) and wgrad (`x.T @ g`).
+* `current` (and `current-pow2`, its scales rounded down to powers of 2): x and w e4m3, g e5m2, one scale per tensor.
+  The backward reuses the forward's FP8 x and w (a transpose keeps a per-tensor scale) and quantizes g once for both
+  dgrad (`g @ w.T`) and wgrad (`x.T @ g`).
 * `block`: x and g e4m3 in 1x128 tiles along the contraction dim, w e4m3 in 128x128 blocks. The backward reuses the
   forward's FP8 w (its blocks transpose with it); x and g are quantized again from high precision along the new
   contraction dim: m (tokens) for wgrad, n for dgrad (DeepSeek-V3's 1x128 forward / 128x1 backward tiles).
@@ -29,7 +30,10 @@ GEMM (`__cublas$lt$matmul$f8`, the output scale folded in). The first version of
 (`convert(f8 -> f32) * scale`, the pattern XLA's GEMM rewriter matches); on an H200 (jax 0.11.2, 2026-12-04) the
 compiled GPT-2 step held no FP8 GEMM at all (0 of 183 GEMMs; 0.46x bf16 tokens/s). A deviceless XLA:GPU compile
 for sm_90 (`benchmarks/gpu_compile.py`) shows why: XLA's Triton GEMM rewriter wraps such a dot, float32 operands
-and all, before its FP8 rewrite runs (the new form: 24 of 24 weight GEMMs of a 2-layer GPT-2 on FP8 operands there).
+and all, before its FP8 rewrite runs. The new form on an H100 (2026-12-05): 144 of 147 GEMMs of GPT-2 124M are
+cuBLASLt FP8 GEMMs, at 0.87x bf16 tokens/s (the amax reductions, conversions and FP8 transposes around them cost
+21 ms per step, the FP8 GEMMs save 9). cuBLASLt's FP8 kernels write float32 there; `current-pow2` (power-of-2
+scales, Transformer Engine's `use_power_2_scales`) lets them write bf16 with the scales in their epilogue (`_dot`).
 `block` and `mxfp8` scales are per tile, which neither kernel takes: `block` runs as float32 GEMMs on dequantized
 operands, numerics only, until a block-scaled kernel is used (DeepGEMM's on Hopper). `mxfp8` calls
 `jax.nn.scaled_dot_general` on a Blackwell GPU (`mx_kernel`), whose MXFP8 tensor cores it reaches through cuDNN,
@@ -94,6 +98,8 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {
     "current": Recipe("current", Operand(E4M3, None, False), Operand(E4M3, None, False), Operand(E5M2, None, False)),
+    "current-pow2": Recipe("current-pow2", Operand(E4M3, None, True), Operand(E4M3, None, True),
+                           Operand(E5M2, None, True)),
     "block": Recipe("block", Operand(E4M3, ROW_TILE, True), Operand(E4M3, WEIGHT_TILE, True),
                     Operand(E4M3, ROW_TILE, True)),
     "mxfp8": Recipe("mxfp8", Operand(E4M3, MX_TILE, True), Operand(E4M3, MX_TILE, True), Operand(E4M3, MX_TILE, True),
@@ -132,22 +138,39 @@ def _transposed(qs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     return _swap(q), (_swap(scale) if scale.ndim >= 2 else scale)
 
 
+def _epilogue_scales(op_a: Operand, op_b: Operand, out_dtype) -> bool:
+    """Whether the GEMM writes `out_dtype` itself with the scales folded in (see `_dot`): on a GPU, per-tensor
+    power-of-2 scales (their product is exact in bfloat16, whose exponent range is float32's), a bfloat16 output."""
+    exact = op_a.tile is None and op_b.tile is None and op_a.power_of_2 and op_b.power_of_2
+    return exact and jnp.dtype(out_dtype) == jnp.bfloat16 and jax.default_backend() == "gpu"
+
+
 def _dot(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], op_a: Operand, op_b: Operand,
-         precision) -> jax.Array:
-    """`dequant(a) [.., p, c] . dequant(b) [.., q, c]` over c with float32 accumulation: `f32[.., p, q]`.
+         precision, out_dtype=jnp.float32) -> jax.Array:
+    """`dequant(a) [.., p, c] . dequant(b) [.., q, c]` over c with float32 accumulation, rounded once to
+    `out_dtype`: `out_dtype[.., p, q]`.
 
     Per-tensor scales (both operands): the FP8 values themselves are the dot's operands (`f8 . f8 -> f32`, the FP8
-    GEMM whatever XLA's GEMM rewrites and autotuner pick) and the two scalar scales multiply its output. Per-tile
-    scales: the dot runs on the dequantized float32 operands (numerics)."""
+    GEMM whatever XLA's GEMM rewrites and autotuner pick) and the two scalar scales multiply its output. On a GPU
+    with power-of-2 scales the dot is `f8 . f8 -> out_dtype` and the scale product, exact in `out_dtype`, multiplies
+    that: XLA folds both into cuBLASLt's FP8 GEMM, which scales its float32 accumulator and writes bf16 (the same
+    value as the float32 form rounded once), not float32 for a separate kernel to round (compiled for an H200, GPT-2
+    124M: 9.99 GiB of kernel traffic per layer against 12.23; bf16-autocast 8.69). Other scales rounded to bf16
+    would change 58% of a dgrad's elements (measured): they keep the float32 form. Per-tile scales: the dot runs on
+    the dequantized float32 operands (numerics)."""
     qa, qb = a[0], b[0]
     batch = tuple(range(qa.ndim - 2))
     dims = (((qa.ndim - 1,), (qb.ndim - 1,)), (batch, batch))
     with jax.named_scope(fp8_scope(op_a.dtype, op_b.dtype)):  # the precision audit reads the FP8 formats here
+        if _epilogue_scales(op_a, op_b, out_dtype):
+            out = lax.dot_general(qa, qb, dims, precision=precision, preferred_element_type=out_dtype)
+            return out * (a[1] * b[1]).astype(out_dtype)  # a power of 2: exact
         if op_a.tile is None and op_b.tile is None:
             out = lax.dot_general(qa, qb, dims, precision=precision, preferred_element_type=jnp.float32)
-            return out * (a[1] * b[1])  # f32[.., p, q] * f32[]
+            return (out * (a[1] * b[1])).astype(out_dtype)  # f32[.., p, q] * f32[]
         lhs, rhs = dequantize(*a, op_a.tile), dequantize(*b, op_b.tile)  # convert(f8 -> f32) * per-tile scales
-        return lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32)
+        out = lax.dot_general(lhs, rhs, dims, precision=precision, preferred_element_type=jnp.float32)
+        return out.astype(out_dtype)
 
 
 FP8_SCOPE = "jaxamp_fp8"
@@ -180,8 +203,8 @@ class _Static:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _fp8_dot(x: jax.Array, w: jax.Array, static: _Static) -> jax.Array:
     r = static.recipe
-    out = _dot(_quantize(x, r.x), _quantize(w, r.w), r.x, r.w, static.precision)  # f32[.., m, n]
-    return checkpoint_name(out.astype(static.out_dtype), FP8_OUTPUT_NAME)  # what recompute_elementwise saves
+    out = _dot(_quantize(x, r.x), _quantize(w, r.w), r.x, r.w, static.precision, static.out_dtype)  # [.., m, n]
+    return checkpoint_name(out, FP8_OUTPUT_NAME)  # what recompute_elementwise saves
 
 
 def _fp8_dot_fwd(x, w, static: _Static):
@@ -190,7 +213,7 @@ def _fp8_dot_fwd(x, w, static: _Static):
         check_mxfp8_dim(x.shape[-2], "the lhs's non-contracting size (rows: wgrad contracts over it)")
         check_mxfp8_dim(w.shape[-2], "the rhs's non-contracting size (dgrad contracts over it)")
     xq, wq = _quantize(x, r.x), _quantize(w, r.w)
-    out = checkpoint_name(_dot(xq, wq, r.x, r.w, static.precision).astype(static.out_dtype), FP8_OUTPUT_NAME)
+    out = checkpoint_name(_dot(xq, wq, r.x, r.w, static.precision, static.out_dtype), FP8_OUTPUT_NAME)
     # The backward's copies: x^T [.., k, m] tiled along m, w^T [.., k, n] tiled along n (or the forward's, transposed).
     x_res = xq if r.x.transposable else _quantize(_swap(x), r.x)
     w_res = wq if r.w.transposable else _quantize(_swap(w), r.w)
@@ -204,9 +227,9 @@ def _fp8_dot_bwd(static: _Static, res, g):
     g_t = _transposed(gq) if r.g.transposable else _quantize(_swap(g), r.g)  # [.., n, m], tiles along m
     x_t = _transposed(x_res) if r.x.transposable else x_res  # [.., k, m]
     w_t = _transposed(w_res) if r.w.transposable else w_res  # [.., k, n]
-    dx = _dot(gq, w_t, r.g, r.w, static.precision)  # f32[.., m, k]
-    dw = _dot(g_t, x_t, r.g, r.x, static.precision)  # f32[.., n, k]
-    return dx.astype(static.x_dtype), dw.astype(static.w_dtype)
+    dx = _dot(gq, w_t, r.g, r.w, static.precision, static.x_dtype)  # [.., m, k]
+    dw = _dot(g_t, x_t, r.g, r.x, static.precision)  # f32[.., n, k] (a weight's size: no epilogue needed)
+    return dx, dw.astype(static.w_dtype)
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)

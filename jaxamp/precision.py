@@ -136,12 +136,14 @@ PRESETS: dict[str, jmp.Policy] = {
 
 # Stateless FP8 recipes (jaxamp.fp8_recipes) as policies: float32 master weights, autocast with bfloat16 compute and
 # the weight matmuls in FP8, no FP8 state (Transformer Engine's Float8CurrentScaling / Float8BlockScaling, MXFP8).
-FP8_RECIPE_SPECS = {"fp8-current": "current", "fp8-block": "block", "mxfp8": "mxfp8"}
+FP8_RECIPE_SPECS = {"fp8-current": "current", "fp8-current-pow2": "current-pow2", "fp8-block": "block",
+                    "mxfp8": "mxfp8"}
 
 _JMP_FORMS = ('"params=float32,compute=float16,output=float32"', '"p=f32,c=bf16"', 'a dtype name such as "float32"')
-_RULES = ("';keep_float32=PATTERN,PATTERN', ';autocast', ';fp8', ';fp8=RECIPE' (current, block, mxfp8: autocast with "
-          "stateless FP8 weight matmuls), ';fp8_exclude=REGEX,REGEX' (replaces the default exclusions) or "
-          "';fp8_exclude+=REGEX,REGEX' (adds to them) and ';opt_state=bf16' (or fp16: the optimizer state's dtype)")
+_RULES = ("';keep_float32=PATTERN,PATTERN', ';autocast', ';fp8', ';fp8=RECIPE' (current, current-pow2, block, mxfp8: "
+          "autocast with stateless FP8 weight matmuls), ';fp8_exclude=REGEX,REGEX' (replaces the default "
+          "exclusions) or ';fp8_exclude+=REGEX,REGEX' (adds to them) and ';opt_state=bf16' (or fp16: the optimizer "
+          "state's dtype)")
 _OPT_STATE_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 
 
@@ -150,16 +152,16 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
     """Returns the precision policy named by `spec`.
 
     Args:
-      spec: a preset (`"fp32"`, `"bf16"`, `"fp16"`, `"fp8"`: delayed scaling through the model's FP8 ops),
-        `"auto"` (see `auto_precision`), a stateless FP8 recipe (`"fp8-current"`, `"fp8-block"`, `"mxfp8"`: bf16
-        autocast with the weight matmuls in FP8, `FP8_RECIPE_SPECS`), any policy string that `jmp.get_policy`
-        parses (e.g. `"params=float32,compute=float16,output=float32"` or `"p=f32,c=bf16"`; jmp's rule applies: an
-        unnamed output dtype follows the compute dtype), any of these followed by rules (what `policy_name`
-        writes): `";autocast"`, `";keep_float32=PATTERN,PATTERN"`, `";fp8"` (delayed scaling), `";fp8=RECIPE"`
-        (`current`, `block`, `mxfp8`), `";fp8_exclude=REGEX,REGEX"` (the matmuls a recipe leaves in the compute
-        dtype, replacing the default, the output head's usual names `FP8_EXCLUDE`; commas inside a regex's (), []
-        or {} stay in it) or `";fp8_exclude+=REGEX,REGEX"` (added to the default), `";opt_state=bf16"` (or
-        `fp16`: the optimizer state's dtype); each rule at most once; or a `jmp.Policy`.
+      spec: a preset (`"fp32"`, `"bf16"`, `"fp16"`, `"fp8"`: delayed scaling through the model's FP8 ops), `"auto"` (see
+        `auto_precision`), a stateless FP8 recipe (`"fp8-current"`, `"fp8-current-pow2"`, `"fp8-block"`, `"mxfp8"`: bf16
+        autocast with the weight matmuls in FP8, `FP8_RECIPE_SPECS`), any policy string that `jmp.get_policy` parses
+        (e.g. `"params=float32,compute=float16,output=float32"` or `"p=f32,c=bf16"`; jmp's rule applies: an unnamed
+        output dtype follows the compute dtype), any of these followed by rules (what `policy_name` writes):
+        `";autocast"`, `";keep_float32=PATTERN,PATTERN"`, `";fp8"` (delayed scaling), `";fp8=RECIPE"` (`current`,
+        `current-pow2`, `block`, `mxfp8`), `";fp8_exclude=REGEX,REGEX"` (the matmuls a recipe leaves in the compute
+        dtype, replacing the default, the output head's usual names `FP8_EXCLUDE`; commas inside a regex's (), [] or {}
+        stay in it) or `";fp8_exclude+=REGEX,REGEX"` (added to the default), `";opt_state=bf16"` (or `fp16`: the
+        optimizer state's dtype); each rule at most once; or a `jmp.Policy`.
       keep_float32: `fnmatch` patterns of leaves that stay float32 in the compute copy (see `Policy`), added to
         those of `spec`.
       autocast: hand `loss_fn` the float32 master weights and run it under `jaxamp.autocast` with the compute dtype

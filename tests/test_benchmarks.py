@@ -165,6 +165,33 @@ def test_an_abstract_build_has_the_concrete_builds_shapes_and_counts(name):
     assert (abstract_info["n_params"], abstract_info["n_no_pos"]) == (info["n_params"], info["n_no_pos"]) != (0, 0)
 
 
+COMPILED = """HloModule m
+
+%c (p: bf16[4,8]) -> f8e4m3fn[4,8] {
+  %p = bf16[4,8]{1,0} parameter(0)
+  ROOT %r = f8e4m3fn[4,8]{1,0} convert(%p)
+}
+
+ENTRY %main (x: bf16[4,8], w: f8e4m3fn[8,2]) -> bf16[4,2] {
+  %x = bf16[4,8]{1,0} parameter(0)
+  %w = f8e4m3fn[8,2]{1,0} parameter(1)
+  %fusion = f8e4m3fn[4,8]{1,0} fusion(%x), kind=kLoop, calls=%c
+  %cublas-gemm = (bf16[4,2]{1,0}, s8[1024]{0}) custom-call(%fusion, %w), custom_call_target="__cublas$lt$matmul$f8"
+  %gte = bf16[4,2]{1,0} get-tuple-element(%cublas-gemm), index=0
+  ROOT %copy = bf16[4,2]{1,0} copy(%gte)
+}
+"""
+
+
+def test_kernel_traffic_and_fp8_gemm_outputs_read_the_compiled_text():
+    """gpu_compile's traffic proxy: each entry kernel's output and operand bytes (the fusion 32 + 64, the GEMM 16 +
+    32 + 16 without its workspace, the copy 16 + 16; the fused computation's own lines not counted again)."""
+    from benchmarks.gpu_compile import fp8_gemm_outputs, kernel_traffic
+    assert kernel_traffic(COMPILED) == 96 + 64 + 32
+    assert fp8_gemm_outputs(COMPILED) == {"bf16": 1}
+    assert fp8_gemm_outputs(COMPILED.replace("(bf16[4,2]{1,0}, s8", "(f32[4,2]{1,0}, s8")) == {"f32": 1}
+
+
 @pytest.mark.slow
 def test_gpu_compile_for_an_h200_without_a_gpu(tmp_path):
     """benchmarks/gpu_compile.py, where the JAX CUDA plugin is installed (`pip install "jax[cuda13]"`; CI has none):
@@ -178,6 +205,12 @@ def test_gpu_compile_for_an_h200_without_a_gpu(tmp_path):
     rows = table_rows(out.read_text())
     assert [number(c) for c in rows["bf16"][:3]] == [2, 0, 15], rows
     assert [number(c) for c in rows["fp8-current"][:3]] == [2, 12, 15], rows
+    proc = run_script("benchmarks/gpu_compile.py", "--cublas", "--layers", "1", "--batch-size", "1", "--precisions",
+                      "fp8-current", "fp8-current-pow2", "--out", str(out), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = table_rows(out.read_text())  # forward and dgrad write bf16 with power-of-2 scales, wgrad float32
+    assert rows["fp8-current"][4] == "f32: 12" and rows["fp8-current-pow2"][4] == "bf16: 8, f32: 4", rows
+    assert number(rows["fp8-current-pow2"][5]) < number(rows["fp8-current"][5]), rows  # kernel bytes
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from jaxamp import fp8_quant as fq
 from jaxamp import fp8_recipes as fr
 
 MATMUL = (((1,), (0,)), ((), ()))  # x @ w for 2-D operands
-RECIPE_NAMES = ("current", "block", "mxfp8")
+RECIPE_NAMES = ("current", "current-pow2", "block", "mxfp8")
 
 
 def rel_l2(a, b) -> float:
@@ -148,7 +148,7 @@ def test_forward_and_gradients_close_to_float32(recipe, case):
     want = _value_and_grads(ref, x, w, ct)
     assert [g.dtype for g in got[1:]] == [jnp.float32, jnp.float32]
     # e4m3 operands: ~2.6% relative RMS each (measured); the e5m2 output gradient of `current`: ~5.3%.
-    tolerances = (0.05, 0.08, 0.08) if recipe == "current" else (0.05, 0.05, 0.05)
+    tolerances = (0.05, 0.08, 0.08) if recipe.startswith("current") else (0.05, 0.05, 0.05)
     errors = [rel_l2(g, r) for g, r in zip(got, want)]
     assert all(e < t for e, t in zip(errors, tolerances)), errors
     assert all(e > 0.005 for e in errors), errors  # and FP8 did round the operands
@@ -156,9 +156,10 @@ def test_forward_and_gradients_close_to_float32(recipe, case):
 
 def _by_hand(recipe, x, w, g):
     """The recipe written out with the public quantizers, for x [m, k], w [k, n], g [m, n]: (out, dx, dw)."""
-    if recipe == "current":
-        dq_x = dq_w = lambda t: fq.dequantize_current(*fq.quantize_current(t))
-        dq_g = lambda t: fq.dequantize_current(*fq.quantize_current(t, fq.E5M2))
+    if recipe.startswith("current"):
+        pow2 = recipe == "current-pow2"
+        dq_x = dq_w = lambda t: fq.dequantize_current(*fq.quantize_current(t, power_of_2=pow2))
+        dq_g = lambda t: fq.dequantize_current(*fq.quantize_current(t, fq.E5M2, power_of_2=pow2))
         dq_w_rows = dq_w
     elif recipe == "block":
         dq_x = dq_g = lambda t: fq.dequantize_block(*fq.quantize_block(t))  # 1x128 along the last axis
@@ -346,6 +347,45 @@ def test_current_gemms_take_the_fp8_values_and_tiled_recipes_do_not():
     assert all(fp8 == (False, False) and dtype == jnp.float32 for fp8, dtype, _ in _gemms("block"))
 
 
+@pytest.fixture
+def traced_as_on_a_gpu(monkeypatch):
+    """`jax.default_backend()` answers "gpu" while the test traces (what `fp8_recipes` reads to pick its GEMM form)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+def _bf16_grads(recipe, x, w):
+    """`_loss`'s value and gradients for bfloat16 x and w (the GEMM outputs that an epilogue can write in bf16)."""
+    return jax.jit(jax.value_and_grad(functools.partial(_loss, recipe), argnums=(0, 1)))(x, w)
+
+
+def test_power_of_2_scales_on_a_gpu_let_the_gemm_write_bfloat16(traced_as_on_a_gpu):
+    """`current-pow2` on a GPU: forward and dgrad are `f8 . f8 -> bf16` times the scale product (a power of 2), the
+    form XLA folds into cuBLASLt's FP8 GEMM (no float32 output for another kernel to round); wgrad (a weight-sized
+    output) stays float32; `current` (scales not powers of 2) keeps every GEMM float32."""
+    x, w = normal(22, (64, 128)).astype(jnp.bfloat16), normal(23, (128, 64)).astype(jnp.bfloat16)
+    jaxpr = lambda recipe: jax.make_jaxpr(jax.grad(functools.partial(_loss, recipe), argnums=(0, 1)))(x, w).jaxpr
+    dtypes = lambda recipe: [e.outvars[0].aval.dtype for e in jaxpr(recipe).eqns if e.primitive.name == "dot_general"]
+    assert dtypes("current-pow2") == [jnp.bfloat16, jnp.bfloat16, jnp.float32]  # forward, dgrad, wgrad
+    assert dtypes("current") == [jnp.float32] * 3
+
+
+def test_the_bfloat16_gemm_form_is_bitwise_the_float32_one():
+    """The exactness the GPU form rests on: a power-of-2 scale product applied after the GEMM's one rounding to
+    bfloat16 gives the bits of the float32 form (scale, then round once), value and both gradients (XLA:CPU runs
+    both forms; cuBLASLt applies the scales in float32 before its rounding, the float32 form's order)."""
+    x, w = normal(24, (64, 128), 30.0).astype(jnp.bfloat16), normal(25, (128, 64), 0.01).astype(jnp.bfloat16)
+    cpu_form = _bf16_grads("current-pow2", x, w)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(jax, "default_backend", lambda: "gpu")
+        gpu_form = _bf16_grads("current-pow2", x, w)
+    assert jax.tree.structure(cpu_form) == jax.tree.structure(gpu_form)
+    for a, b in zip(jax.tree.leaves(cpu_form), jax.tree.leaves(gpu_form)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a).view(np.uint16 if a.dtype == jnp.bfloat16
+                                                                         else np.uint32),
+                                                     np.asarray(b).view(np.uint16 if b.dtype == jnp.bfloat16
+                                                                        else np.uint32))
+
+
 # --- mxfp8 against jax.nn.scaled_dot_general ---
 
 @pytest.fixture
@@ -433,9 +473,10 @@ def test_mxfp8_runs_through_jax_scaled_dot_general_where_it_runs(scaled_dot_gene
 
 def test_bad_input_gives_one_clear_error():
     x, w = normal(27, (32, 64)), normal(28, (64, 32))
-    with pytest.raises(ValueError, match=r"unknown FP8 recipe 'delayed'; known recipes: block, current, mxfp8"):
+    with pytest.raises(ValueError,
+                       match=r"unknown FP8 recipe 'delayed'; known recipes: block, current, current-pow2, mxfp8"):
         fr.fp8_dot_general(x, w, MATMUL, recipe="delayed")
-    with pytest.raises(ValueError, match="known recipes: block, current, mxfp8"):
+    with pytest.raises(ValueError, match="known recipes: block, current, current-pow2, mxfp8"):
         fr.recipe_dot_general("tensorwise")
     with pytest.raises(TypeError, match="floating-point operands; rhs is int32"):
         fr.fp8_dot_general(x, jnp.ones((64, 32), jnp.int32), MATMUL)

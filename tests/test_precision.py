@@ -82,6 +82,6 @@ def test_a_near_miss_policy_name_is_refused_with_a_suggestion_and_the_fp8_recipe
     message = str(err.value)
     assert message.startswith("unknown precision policy 'fp8-curent' (did you mean 'fp8-current'?); the presets ")
     assert len(message) < 300  # short: the suggestion first
-    assert 'the stateless FP8 recipes "fp8-current", "fp8-block", "mxfp8"' in message
+    assert 'the stateless FP8 recipes "fp8-current", "fp8-current-pow2", "fp8-block", "mxfp8"' in message
     with pytest.raises(ValueError, match=r"^unknown precision policy 'zzz'; accepted"):  # nothing close: no guess
         get_policy("zzz")
