@@ -30,7 +30,7 @@ from benchmarks import harness  # noqa: E402
 from benchmarks.autocast_models import Runner, each_trial  # noqa: E402
 
 DEFAULT_OUT = harness.RESULTS / "fp8_models.md"
-RECIPES = ("fp8-current", "fp8-block")
+RECIPES = ("fp8-current", "fp8-current-pow2", "fp8-block")
 
 
 def audit_row(report) -> dict:

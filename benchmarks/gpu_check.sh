@@ -7,28 +7,30 @@
 #                                              # OUTDIR: a new temporary folder, never benchmarks/results/gpu_check
 #   JAXAMP_DATA=DIR benchmarks/gpu_check.sh    # throughput on real tokens: DIR holds nanoGPT's train.bin/val.bin
 #
-# Stages (timeouts in seconds; the default stages about 7 minutes in all on one H200, from 12-04's figures: tests
-# ~75 s, ~55 s per 124M throughput row; a gpt2-xl row scanned compiles in ~10-15 s where unrolled took 78 s). xl runs
-# scanned with --remat elementwise: XLA:GPU's memory analysis for an H200 gives temp 19,107 MiB (bf16) and 20,256
-# (fp8-current) that way, 49,206 and 60,675 scanned without remat (gpu_compile_xl_scanned*.md):
+# Stages (timeouts in seconds, scaled by the rows asked for; the default stages took 6.5 minutes on one H100 on 12-05:
+# tests 107 s, ~53 s per 124M throughput row, ~21 s per gpt2-xl row scanned, where unrolled bf16 compiled in 78 s).
+# xl runs scanned with --remat elementwise: on the H100, peak 37,033 MiB (bf16), 38,162 (fp8-current), 32,220
+# (fp8-moments); 49,206 and 60,675 MiB temp scanned without remat (compiled, gpu_compile_xl_scanned*.md):
 #   0 env         nvidia-smi, jax/flax/optax versions and devices                      -> env.txt
-#   1 tests       pytest -m gpu tests/test_gpu.py: cuDNN attention, FP8 GEMMs, bitwise skip, one compile,
-#                 checkpoint round trip, 20 LM steps in fp32/bf16/fp16 within 1%
+#   1 tests       pytest -m gpu tests/test_gpu.py: cuDNN attention, FP8 GEMMs (bf16 outputs under power-of-2
+#                 scales), bitwise skip, one compile, checkpoint round trip, 20 LM steps against fp32 (highest)
 #   2 throughput  benchmarks/gpu_throughput.py --model gpt2-124m (train_lm.py's preset),
 #                 seq 1024; random tokens, or $JAXAMP_DATA's                           -> gpu_throughput.{md,json}
 #   3 xl          the same at --model gpt2-xl, batch 8, scanned, --remat elementwise   -> gpu_throughput_xl.{md,json}
 #   4 paired      benchmarks/gpu_paired.py, fp16 against bf16 interleaved in one process -> gpu_paired.md
-#   5 profile     benchmarks/gpu_profile.py, kernel time by kind for bf16 and fp8      -> gpu_profile.md
+#   5 profile     benchmarks/gpu_profile.py, kernel time by kind (default: 124M, bf16 and fp8-current-pow2;
+#                 GPU_CHECK_PROFILE_ARGS replaces its flags, e.g. "--model gpt2-xl --batch-size 8 --scan-layers
+#                 --remat elementwise --steps 2 --precisions bf16 fp8-current-pow2")  -> gpu_profile.md
 # Every stage's output also goes to OUTDIR/check.log (8 files in all: the device tool returns at most 8).
-# GPU_CHECK_PRECISIONS picks the throughput rows (default: bf16 fp8-current fp8, the rows issue 23 measures; any of
-# gpu_throughput.py's, e.g. bf16-autocast for issue 21), GPU_CHECK_XL_PRECISIONS the xl rows (default: bf16
-# fp8-current fp8-moments), GPU_CHECK_XL_LAYOUT their layout flags (default: --scan-layers --remat elementwise; ""
-# runs unrolled, as on 12-04: bf16 216 ms/step) and GPU_CHECK_STAGES the stages
-# (default: tests throughput xl; paired and profile when asked). With little device time left, measure what is
-# new first, e.g.
-#   GPU_CHECK_STAGES=throughput GPU_CHECK_PRECISIONS="bf16 fp8-current" benchmarks/gpu_check.sh
+# GPU_CHECK_PRECISIONS picks the throughput rows (default: bf16 fp8-current fp8-current-pow2 fp8, the rows issue 23
+# measures; any of gpu_throughput.py's, e.g. bf16-autocast for issue 21), GPU_CHECK_XL_PRECISIONS the xl rows
+# (default: bf16 fp8-current fp8-current-pow2 fp8-moments), GPU_CHECK_XL_LAYOUT their layout flags (default:
+# --scan-layers --remat elementwise; "" runs unrolled, as on 12-04: bf16 216 ms/step on an H200) and GPU_CHECK_STAGES
+# the stages (default: tests throughput xl; paired and profile when asked). With little device time left, measure
+# what is new first, e.g.
+#   GPU_CHECK_STAGES=throughput GPU_CHECK_PRECISIONS="bf16 fp8-current-pow2" benchmarks/gpu_check.sh
 # Before a GPU session, benchmarks/gpu_compile.py (no GPU needed: XLA:GPU compiles for an H200 deviceless) shows
-# what the compiled steps will hold (cuDNN attention, FP8 GEMMs, memory).
+# what the compiled steps will hold (cuDNN attention, FP8 GEMMs, memory; --cublas as a GPU's autotuner picks).
 # The exit status is that of the first stage that failed (0 if none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,7 +94,7 @@ else
   SIZE=(--model gpt2-124m --batch-size 32 --steps 10 --warmup 3)
   read -r -a LAYOUT <<<"${GPU_CHECK_XL_LAYOUT---scan-layers --remat elementwise}"
   XL=(--model gpt2-xl --batch-size 8 --steps 5 --warmup 2 ${LAYOUT[@]+"${LAYOUT[@]}"})
-  PROFILE=(--batch-size 32 --steps 3 --warmup 2 --precisions bf16 fp8)
+  read -r -a PROFILE <<<"${GPU_CHECK_PROFILE_ARGS:---batch-size 32 --steps 3 --warmup 2 --precisions bf16 fp8-current-pow2}"
   PAIRED=(--batch-size 32 --rounds 8 --steps 5 --warmup 2)
 fi
 
@@ -109,14 +111,14 @@ cat "$OUTDIR/env.txt"
 STAGES=" ${GPU_CHECK_STAGES:-tests throughput xl} "
 wanted() { [[ $STAGES == *" $1 "* ]]; }
 wanted tests && stage tests 120 $PY -m pytest -q "${TESTS[@]}" -rs -s -p no:cacheprovider
-read -r -a PRECISIONS <<<"${GPU_CHECK_PRECISIONS:-bf16 fp8-current fp8}"
+read -r -a PRECISIONS <<<"${GPU_CHECK_PRECISIONS:-bf16 fp8-current fp8-current-pow2 fp8}"
 wanted throughput && stage throughput $((60 * ${#PRECISIONS[@]} + 30)) $PY benchmarks/gpu_throughput.py "${SIZE[@]}" ${DATA[@]+"${DATA[@]}"} \
   --precisions "${PRECISIONS[@]}" --out "$OUTDIR/gpu_throughput.md" --json "$OUTDIR/gpu_throughput.json"
-read -r -a XL_PRECISIONS <<<"${GPU_CHECK_XL_PRECISIONS:-bf16 fp8-current fp8-moments}"
+read -r -a XL_PRECISIONS <<<"${GPU_CHECK_XL_PRECISIONS:-bf16 fp8-current fp8-current-pow2 fp8-moments}"
 wanted xl && stage xl $((80 * ${#XL_PRECISIONS[@]} + 30)) $PY benchmarks/gpu_throughput.py "${XL[@]}" ${DATA[@]+"${DATA[@]}"} \
   --precisions "${XL_PRECISIONS[@]}" --out "$OUTDIR/gpu_throughput_xl.md" --json "$OUTDIR/gpu_throughput_xl.json"
 wanted paired && stage paired 120 $PY benchmarks/gpu_paired.py "${PAIRED[@]}" --precisions bf16 fp16 \
   --out "$OUTDIR/gpu_paired.md"
-wanted profile && stage profile 100 $PY benchmarks/gpu_profile.py "${PROFILE[@]}" --out "$OUTDIR/gpu_profile.md"
+wanted profile && stage profile 150 $PY benchmarks/gpu_profile.py "${PROFILE[@]}" --out "$OUTDIR/gpu_profile.md"
 echo "gpu_check: results in $OUTDIR; exit $status"
 exit $status

@@ -371,7 +371,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert "layers (scanned), remat elementwise" in (tmp_path / "gpu_throughput_xl.md").read_text()
     assert "backend cpu" in (tmp_path / "env.txt").read_text()
     # The cuDNN and FP8 GEMM checks need a GPU; the 20-step comparison is left to the GPU run.
-    assert "3 passed, 5 skipped, 1 deselected" in (tmp_path / "check.log").read_text()
+    assert "3 passed, 6 skipped, 1 deselected" in (tmp_path / "check.log").read_text()
     results = json.loads((tmp_path / "gpu_throughput.json").read_text())["results"]
     assert set(results) == {"bf16", "fp16", "fp8"}
     assert all("error" not in r for r in results.values())
@@ -627,6 +627,11 @@ def test_reference_seeds_table(tmp_path, capsys):
     assert seeds.main([str(tmp_path / "runs"), "--out", str(tmp_path / "seeds.md")]) == 0
     text = (tmp_path / "seeds.md").read_text()
     assert table_rows(text)["1337"] == ["1.8996", "1.9049", "+0.279%", "yes"] and "Seed 1337: RUNS_DIR's own" in text
+    _summary(tmp_path / "runs" / "fp8-current-pow2-s1", "fp8-current-pow2", 1.9095)  # --recipe: another recipe
+    assert seeds.main([str(tmp_path / "runs"), "--recipe", "fp8-current-pow2", "--out", str(tmp_path / "p.md")]) == 0
+    text = (tmp_path / "p.md").read_text()
+    assert text.startswith("# fp8-current-pow2 against fp32") and table_rows(text)["1"] == ["1.9000", "1.9095",
+                                                                                          "+0.500%", "NO"]
     with pytest.raises(SystemExit):
         seeds.main([str(tmp_path / "missing"), "--out", str(tmp_path / "x.md")])
     assert "run benchmarks/reference_seeds.sh first" in capsys.readouterr().err
