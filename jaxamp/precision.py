@@ -251,7 +251,9 @@ def _check_repeats(rules: list[str]) -> None:
 
 def _recipe_name(name: str) -> str:
     if name not in RECIPES:
-        raise ValueError(f"unknown FP8 recipe {name!r} in ';fp8={name}': the recipes are {', '.join(RECIPES)}")
+        close = difflib.get_close_matches(name, RECIPES, n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown FP8 recipe {name!r} in ';fp8={name}'{guess}: the recipes are {', '.join(RECIPES)}")
     return name
 
 

@@ -78,6 +78,7 @@ def test_recipe_specs_are_autocast_policies_that_round_trip(spec, recipe):
     ("fp8-current;fp8_exclude=a;fp8_exclude+=b", r"';fp8_exclude' is given twice: give it once"),
     ("bf16;fp8_exclude=head", "add ';fp8=current'"),
     ("bf16;fp8=delayed", "unknown FP8 recipe 'delayed'"),
+    ("bf16;fp8=curent-pow2", r"recipe 'curent-pow2' in ';fp8=curent-pow2' \(did you mean 'current-pow2'\?\)"),
     ("fp32;fp8=current", "half-precision dtype"),
 ])
 def test_bad_recipe_specs_are_refused_naming_the_fix(spec, message):
