@@ -38,14 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from benchmarks import harness  # noqa: E402
 from benchmarks.gpu_step import (  # noqa: E402
     PRECISIONS,
+    add_model_flags,
     build,
     custom_calls,
     dot_operand_dtypes,
+    fp8_gemm_outputs,
+    layout_words,
     matmul_context,
-    sizes,
+    model_size,
 )
-from jaxamp.lm.model import REMAT_POLICIES  # noqa: E402
-from jaxamp.lm.presets import MODEL_PRESETS  # noqa: E402
 
 DEFAULT_OUT = harness.RESULTS / "gpu_compile.md"
 H200_TARGET = """
@@ -144,19 +145,11 @@ def kernel_traffic(hlo_text: str) -> int:
     return total
 
 
-def fp8_gemm_outputs(hlo_text: str) -> dict:
-    """Result dtypes of the cuBLASLt FP8 GEMM calls: `{"bf16": 16, "f32": 8}`."""
-    found = re.findall(r"= \((\w+)\[[^\n]*custom_call_target=\"__cublas\$lt\$matmul\$f8\"", hlo_text)
-    return dict(collections.Counter(found))
-
-
 def report(rows: list[dict], size: dict, argv) -> str:
     lines = ["# What XLA:GPU compiles for the LM step on an H200 (deviceless: compiled, not run)", "",
              f"- command: `{harness.command_line(__file__, argv)}`", f"- machine: {harness.machine(backend=False)}",
              f"- date: {harness.now()}",
-             f"- model: {size['layers']} layers{' (scanned)' if size.get('scan_layers') else ''}"
-             f"{'' if size.get('remat', 'none') == 'none' else ', remat ' + size['remat']}, "
-             f"{size['heads']} heads, width {size['width']}, seq {size['seq_len']}, "
+             f"- model: {layout_words(size)}, {size['heads']} heads, width {size['width']}, seq {size['seq_len']}, "
              f"vocab {size['vocab']}, batch {size['batch_size']}", "- counts from the compiled program's text (a "
              "scanned block's GEMMs once); memory from `memory_analysis()` (live at peak is about argument + "
              "temp)", ""]
@@ -176,14 +169,10 @@ def report(rows: list[dict], size: dict, argv) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=list(MODEL_PRESETS), default="gpt2-124m",
-                        help="train_lm.py's size preset (default: %(default)s; `small`: 4 layers, width 128, seq 64)")
+    add_model_flags(parser, "gpu_check.sh's xl stage")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=None,
                         help="blocks, the preset's other sizes kept (default: the preset's)")
-    parser.add_argument("--scan-layers", action="store_true", help="blocks as one nn.scan (gpu_check.sh's xl stage)")
-    parser.add_argument("--remat", choices=list(REMAT_POLICIES), default="none",
-                        help="rematerialisation of each block (train_lm.py's --remat; default: none)")
     parser.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
                         help="gpu_throughput.py's rows: `bf16` is the cast policy, `bf16-autocast` float32 code "
                              "under autocast, ... (default: all)")
@@ -196,10 +185,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     harness.check_sizes(parser, args, ("batch_size",) + (("layers",) if args.layers is not None else ()))
     harness.check_output(parser, "--out", args.out)
-    size = sizes(False, args.batch_size, args.model)
+    size = model_size(args, batch_size=args.batch_size)
     if args.layers is not None:
         size["layers"] = args.layers
-    size.update(scan_layers=args.scan_layers, remat=args.remat)
     if args.cublas:  # read when the CUDA plugin's compiler starts, below
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_enable_triton_gemm=false".strip()
     try:

@@ -23,8 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from benchmarks import gpu_step as gs  # noqa: E402  (imports jax, starts no backend)
 from benchmarks import harness  # noqa: E402
-from jaxamp.lm.model import REMAT_POLICIES  # noqa: E402
-from jaxamp.lm.presets import MODEL_PRESETS  # noqa: E402
 
 KINDS = (  # (kind, substrings of a kernel name, lower case); the first match wins
     ("cuDNN attention", ("fmha", "cudnn", "flash", "sdpa")),
@@ -99,8 +97,7 @@ def report(args, size: dict, results: list[dict]) -> str:
     """One section per precision: kinds, top kernels, the plane's trace lines."""
     lines = ["# Where the step's device time goes (`jax.profiler` trace)", "",
              f"- command: `{harness.command_line(__file__, args.argv)}`",
-             f"- model: {size['layers']} layers{' (scanned)' if size.get('scan_layers') else ''}"
-             f"{'' if size.get('remat', 'none') == 'none' else ', remat ' + size['remat']}, width {size['width']}, "
+             f"- model: {gs.layout_words(size)}, width {size['width']}, "
              f"seq {size['seq_len']}, vocab {size['vocab']}, batch {size['batch_size']}; {args.steps} traced steps "
              f"after {args.warmup + 1} untimed ones", ""]
     for r in results:
@@ -120,11 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The flags, checked (one-line usage errors)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     gs.add_size_flags(p, precisions="+")
-    p.add_argument("--model", choices=list(MODEL_PRESETS), default="gpt2-124m",
-                   help="size preset of train_lm.py's --model (default: gpt2-124m; --tiny overrides it)")
-    p.add_argument("--scan-layers", action="store_true", help="blocks as one nn.scan (train_lm.py's --scan-layers)")
-    p.add_argument("--remat", choices=list(REMAT_POLICIES), default="none",
-                   help="rematerialisation of each block (train_lm.py's --remat; default: none)")
+    gs.add_model_flags(p)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the trace (default: 2)")
     p.add_argument("--steps", type=int, default=3, help="traced steps (default: 3)")
     p.add_argument("--top", type=int, default=25, help="kernels listed by name (default: 25)")
@@ -138,8 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    size = gs.sizes(args.tiny, args.batch_size or None, args.model)
-    size.update(scan_layers=args.scan_layers, remat=args.remat)
+    size = gs.model_size(args, args.tiny, args.batch_size or None)
     results = []
     for name in args.precisions:
         harness.log(f"[{time.strftime('%H:%M:%S')}] profiling {name} ...")

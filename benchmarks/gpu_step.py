@@ -6,6 +6,7 @@ Importing this module imports jax but starts no backend (a parent that leaves th
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import re
 
@@ -63,6 +64,30 @@ def sizes(tiny: bool, batch_size: int | None = None, model: str = "gpt2-124m") -
     return size
 
 
+def add_model_flags(parser, scan_help: str = "train_lm.py's --scan-layers") -> None:
+    """`--model`, `--scan-layers` and `--remat`: train_lm.py's size preset and block layout, the flags of
+    gpu_throughput.py, gpu_compile.py and gpu_profile.py."""
+    from jaxamp.lm.model import REMAT_POLICIES
+
+    parser.add_argument("--model", choices=list(MODEL_PRESETS), default="gpt2-124m",
+                        help="size preset of train_lm.py's --model (default: gpt2-124m; `small`: 4 layers, width "
+                             "128, seq 64; a script's --tiny overrides it)")
+    parser.add_argument("--scan-layers", action="store_true", help=f"blocks as one nn.scan ({scan_help})")
+    parser.add_argument("--remat", choices=list(REMAT_POLICIES), default="none",
+                        help="rematerialisation of each block (train_lm.py's --remat; default: none)")
+
+
+def model_size(args, tiny: bool = False, batch_size: int | None = None) -> dict:
+    """`sizes` of `args.model` (or --tiny) with the block layout of `add_model_flags`' `--scan-layers` and `--remat`."""
+    return {**sizes(tiny, batch_size, args.model), "scan_layers": args.scan_layers, "remat": args.remat}
+
+
+def layout_words(size: dict) -> str:
+    """`"48 layers (scanned), remat elementwise"`: the depth and block layout, for a report's model line."""
+    return (f"{size['layers']} layers{' (scanned)' if size.get('scan_layers') else ''}"
+            f"{'' if size.get('remat', 'none') == 'none' else ', remat ' + size['remat']}")
+
+
 def peak_flops(device_kind: str, key: str) -> float | None:
     """The dense peak FLOP/s of this device for a precision key, or None for an unknown device (CPU)."""
     for name, table in PEAK_FLOPS.items():
@@ -102,6 +127,12 @@ def custom_calls(hlo_text: str) -> dict:
     f8_dots = sum(a.startswith("f8") and b.startswith("f8") for a, b in dots)
     return {"cudnn_attention": sum("fmha" in t for t in targets),
             "f8_gemm": sum("f8" in t for t in cublas) + f8_dots, "gemm": len(cublas) + len(dots)}
+
+
+def fp8_gemm_outputs(hlo_text: str) -> dict:
+    """Result dtypes of the cuBLASLt FP8 GEMM calls in the compiled text: `{"bf16": 16, "f32": 8}`."""
+    found = re.findall(r"= \((\w+)\[[^\n]*custom_call_target=\"__cublas\$lt\$matmul\$f8\"", hlo_text)
+    return dict(collections.Counter(found))
 
 
 def flops_per_token(n_params_no_pos: int, layers: int, heads: int, head_dim: int, seq_len: int) -> float:

@@ -57,16 +57,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from benchmarks import harness  # noqa: E402
 from benchmarks.gpu_step import (  # noqa: E402  (imports jax, starts no backend)
     PRECISIONS,
+    add_model_flags,
     build,
     custom_calls,
     data_batches,
     flops_per_token,
+    layout_words,
     matmul_context,
+    model_size,
     peak_flops,
-    sizes,
 )
-from jaxamp.lm.model import REMAT_POLICIES  # noqa: E402
-from jaxamp.lm.presets import MODEL_PRESETS  # noqa: E402
 
 REPO = harness.REPO
 DEFAULT_OUT = harness.RESULTS / "gpu_throughput.md"
@@ -158,9 +158,7 @@ def _header(args, size: dict, first: dict, argv) -> list[str]:
         f"- device: {first.get('device_kind', 'n/a')} ({first.get('platform', 'n/a')}); host "
         f"{harness.machine(backend=False)}",
         f"- date: {harness.now()}",
-        f"- model: {'--tiny' if args.tiny else args.model}: {size['layers']} layers"
-        f"{' (scanned)' if size.get('scan_layers') else ''}"
-        f"{'' if size.get('remat', 'none') == 'none' else ', remat ' + size['remat']}, {size['heads']} heads, width "
+        f"- model: {'--tiny' if args.tiny else args.model}: {layout_words(size)}, {size['heads']} heads, width "
         f"{size['width']} (head dim {head_dim}), "
         f"seq {size['seq_len']}, vocab {size['vocab']}, batch {size['batch_size']} "
         f"({size['batch_size'] * size['seq_len']:,} tokens/step); "
@@ -251,12 +249,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="timed steps per precision (default: 10, --tiny: 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps after compiling (default: 3, --tiny: 1)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: 16, --tiny: 4)")
-    p.add_argument("--model", choices=list(MODEL_PRESETS), default="gpt2-124m",
-                   help="size preset of train_lm.py's --model (default: gpt2-124m; --tiny overrides it)")
-    p.add_argument("--scan-layers", action="store_true", help="blocks as one nn.scan (train_lm.py's --scan-layers: "
-                   "one compiled block, a shorter compile at gpt2-xl's 48 layers)")
-    p.add_argument("--remat", choices=list(REMAT_POLICIES), default="none",
-                   help="rematerialisation of each block (train_lm.py's --remat; default: none)")
+    add_model_flags(p, "train_lm.py's --scan-layers: one compiled block, a shorter compile at gpt2-xl's 48 layers")
     p.add_argument("--data", default=None, help="directory of nanoGPT's train.bin/val.bin: time real tokens (the "
                    "vocabulary from its meta.pkl, else 50304)")
     p.add_argument("--precisions", nargs="+", choices=list(PRECISIONS), default=list(PRECISIONS),
@@ -289,8 +282,7 @@ def parse_args(argv=None):
 
 def _size(args, data: bool = True) -> dict:
     """The model and batch sizes of `args`; with --data, its vocabulary and path too."""
-    size = sizes(args.tiny, args.batch_size, args.model)
-    size.update(scan_layers=args.scan_layers, remat=args.remat)
+    size = model_size(args, args.tiny, args.batch_size)
     if data and args.data is not None:
         size.update(vocab=args.data_vocab, data=str(args.data))
     return size

@@ -186,7 +186,8 @@ ENTRY %main (x: bf16[4,8], w: f8e4m3fn[8,2]) -> bf16[4,2] {
 def test_kernel_traffic_and_fp8_gemm_outputs_read_the_compiled_text():
     """gpu_compile's traffic proxy: each entry kernel's output and operand bytes (the fusion 32 + 64, the GEMM 16 +
     32 + 16 without its workspace, the copy 16 + 16; the fused computation's own lines not counted again)."""
-    from benchmarks.gpu_compile import fp8_gemm_outputs, kernel_traffic
+    from benchmarks.gpu_compile import kernel_traffic
+    from benchmarks.gpu_step import fp8_gemm_outputs
     assert kernel_traffic(COMPILED) == 96 + 64 + 32
     assert fp8_gemm_outputs(COMPILED) == {"bf16": 1}
     assert fp8_gemm_outputs(COMPILED.replace("(bf16[4,2]{1,0}, s8", "(f32[4,2]{1,0}, s8")) == {"f32": 1}

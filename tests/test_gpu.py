@@ -4,7 +4,6 @@ Skipped unless JAX's default backend is a GPU. `JAXAMP_GPU_TESTS_ON_CPU=1` runs 
 too (`gpu_check.sh --dry-run` does), so the file cannot rot between GPU sessions; the cuDNN check always needs a GPU.
 """
 
-import collections
 import dataclasses
 import os
 import re
@@ -15,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from benchmarks.gpu_step import custom_calls  # the GEMM census of gpu_throughput.py
+from benchmarks.gpu_step import custom_calls, fp8_gemm_outputs  # the GEMM census of gpu_throughput.py
 from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, get_policy, train_step
 from jaxamp.checkpoint import Checkpointer
 from jaxamp.lm.data import CharDataset, batch_at, default_corpus_text
@@ -116,11 +115,6 @@ def autocast_state(policy: str) -> TrainState:
                              rng=jax.random.key(1))
 
 
-def cublaslt_fp8_outputs(hlo: str) -> list[str]:
-    """The result dtype of each cuBLASLt FP8 GEMM call in a compiled program's text (`"bf16"`, `"f32"`)."""
-    return re.findall(r"= \((\w+)\[[^\n]*custom_call_target=\"__cublas\$lt\$matmul\$f8\"", hlo)
-
-
 @needs_gpu
 @pytest.mark.parametrize("policy", ["bf16;autocast", "fp8-current", "fp8-current-pow2"])
 def test_autocast_attention_is_cudnn_fused_and_fp8_current_gemms_are_fp8(policy, data):
@@ -128,12 +122,12 @@ def test_autocast_attention_is_cudnn_fused_and_fp8_current_gemms_are_fp8(policy,
     fp8-current's weight matmuls (4 per layer, 3 GEMMs each) contract FP8 operands (Triton or cuBLASLt). With
     power-of-2 scales, the forward and dgrad cuBLASLt GEMMs write bf16 (the scales in their epilogue)."""
     hlo = STEP.lower(autocast_state(policy), lm_batch(data, 0), lm_loss).compile().as_text()
-    calls, outputs = custom_calls(hlo), cublaslt_fp8_outputs(hlo)
-    print(f"{policy}: {calls}; cuBLASLt FP8 outputs {collections.Counter(outputs)}")
+    calls, outputs = custom_calls(hlo), fp8_gemm_outputs(hlo)
+    print(f"{policy}: {calls}; cuBLASLt FP8 outputs {outputs}")
     assert calls["cudnn_attention"] == 2 * CFG.num_layers, calls
     assert calls["f8_gemm"] == (3 * 4 * CFG.num_layers if policy.startswith("fp8") else 0), calls
-    if policy == "fp8-current-pow2" and len(outputs) == calls["f8_gemm"]:  # all cuBLASLt (an H100's autotuner: yes)
-        assert outputs.count("bf16") == 2 * 4 * CFG.num_layers, outputs  # wgrad (weight-sized) stays float32
+    if policy == "fp8-current-pow2" and sum(outputs.values()) == calls["f8_gemm"]:  # all cuBLASLt (H100: yes)
+        assert outputs.get("bf16") == 2 * 4 * CFG.num_layers, outputs  # wgrad (weight-sized) stays float32
 
 
 @gpu_or_opt_in
