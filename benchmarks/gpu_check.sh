@@ -23,7 +23,8 @@
 #                 --remat elementwise --steps 2 --precisions bf16 fp8-current-pow2")  -> gpu_profile.md
 # Every stage's output also goes to OUTDIR/check.log (8 files in all: the device tool returns at most 8).
 # GPU_CHECK_PRECISIONS picks the throughput rows (default: bf16 fp8-current fp8-current-pow2 fp8, the rows issue 23
-# measures; any of gpu_throughput.py's, e.g. bf16-autocast for issue 21), GPU_CHECK_XL_PRECISIONS the xl rows
+# measures; any of gpu_throughput.py's, e.g. "bf16 bf16-autocast bf16-autocast-bf16-logits" for issue 21: what
+# autocast's float32 logits cost against torch.amp's bf16 ones), GPU_CHECK_XL_PRECISIONS the xl rows
 # (default: bf16 fp8-current fp8-current-pow2 fp8-moments), GPU_CHECK_XL_LAYOUT their layout flags (default:
 # --scan-layers --remat elementwise; "" runs unrolled, as on 12-04: bf16 216 ms/step on an H200) and GPU_CHECK_STAGES
 # the stages (default: tests throughput xl; paired and profile when asked). With little device time left, measure

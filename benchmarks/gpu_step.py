@@ -22,7 +22,8 @@ PRECISIONS = {  # name -> (jaxamp policy, dynamic loss scale?, matmul precision 
     "fp8": ("fp8", False, None, "fp8", 0),
     # The same float32 model code under autocast (no LM keep_float32 rules: autocast keeps lookups float32), the
     # stateless FP8 recipes through autocast (the tied head excluded by name), and bf16 Adam moments.
-    "bf16-autocast": ("bf16;autocast", False, None, "16bit", 0),
+    "bf16-autocast": ("bf16;autocast", False, None, "16bit", 0),  # float32 logits (autocast's float32_results)
+    "bf16-autocast-bf16-logits": ("bf16;autocast;float32_results=", False, None, "16bit", 0),  # torch.amp's rule
     "fp8-current": ("fp8-current", False, None, "fp8", 0),
     "fp8-current-pow2": ("fp8-current-pow2", False, None, "fp8", 0),  # power-of-2 scales: bf16 GEMM outputs
     "fp8-block": ("fp8-block", False, None, "fp8", 0),

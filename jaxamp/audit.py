@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 
 from jaxamp.autocast_rules import exclusion_names, weight_path
+from jaxamp.autocasting import FLOAT32_RESULTS
 from jaxamp.fp8_recipes import FP8_EXCLUDE, FP8_SCOPE
 from jaxamp.gradients import gradients
 from jaxamp.precision import fp8_recipe, policy_name, uses_autocast
@@ -351,13 +352,16 @@ class PrecisionReport:
         `"params.decoder.logitdense.kernel"`; "" for an activation x activation matmul or without autocast), and
         under a stateless FP8 recipe
         `fp8_excluded_by`: the `fp8_exclude` pattern that kept this half-precision weight matmul out of FP8, or
-        None, and `fp8_excluded_name`: the name it matched (`"lm_head"`, `"Embed.attend"`), or None.
+        None, and `fp8_excluded_name`: the name it matched (`"lm_head"`, `"Embed.attend"`), or None; under
+        autocast `float32_result_by`: the `float32_results` pattern that made this half-precision matmul write
+        float32 (the output head's logits), or None.
       fallbacks: the rows with a float32 operand under a half-precision policy; the first holds `cause` too.
       half_accumulations: sums, scatter-adds and cumulative ops in half precision over more values than the format
         absorbs (`ABSORB_LIMIT`): dicts with `source`, `library`, `primitive`, `dtype`, `size` (values added per
         output element), `pass`.
       fp8_exclude: the policy's `fp8_exclude` patterns under a stateless FP8 recipe, else ().
       autocast: whether the policy runs the loss under `jaxamp.autocast` (what the warning then advises).
+      float32_results: under autocast, the policy's `float32_results` patterns, else ().
     """
 
     policy: str
@@ -368,6 +372,7 @@ class PrecisionReport:
     half_accumulations: tuple
     fp8_exclude: tuple = ()
     autocast: bool = False
+    float32_results: tuple = ()
 
     @property
     def fp8_unused_exclusions(self) -> tuple[str, ...]:
@@ -381,6 +386,15 @@ class PrecisionReport:
         not match) when the exclusions begin with them (`;fp8_exclude+=...`)."""
         defaults = FP8_EXCLUDE if self.fp8_exclude[:len(FP8_EXCLUDE)] == FP8_EXCLUDE else ()
         return tuple(p for p in self.fp8_unused_exclusions if p not in defaults)
+
+    @property
+    def float32_results_unused(self) -> tuple[str, ...]:
+        """The `float32_results` patterns the user gave that made no matmul write float32 (a typo, or a head named
+        otherwise): all unused ones, except the defaults (`FLOAT32_RESULTS`, which a model need not match) when the
+        patterns begin with them (`;float32_results+=...`)."""
+        used = {r.get("float32_result_by") for r in self.rows}
+        defaults = FLOAT32_RESULTS if self.float32_results[:len(FLOAT32_RESULTS)] == FLOAT32_RESULTS else ()
+        return tuple(p for p in self.float32_results if p not in used and p not in defaults)
 
     @property
     def fp8_fraction(self) -> float:
@@ -408,6 +422,7 @@ class PrecisionReport:
                      "name it in fp8_exclude or wrap it in jax.named_scope('head'))")
         if self.fp8_unused_added:
             text += f"; fp8_exclude patterns that match no matmul: {', '.join(self.fp8_unused_added)}"
+        text += self._float32_results_note()
         if self.fallbacks:
             worst = max(self.fallbacks, key=lambda r: r["flops"])
             text += f"; {sum(r['trips'] for r in self.fallbacks)} in float32, largest at {worst['source']}"
@@ -416,6 +431,19 @@ class PrecisionReport:
             text += (f"; {len(self.half_accumulations)} half-precision sums past the format's limit, largest "
                      f"{worst['size']:,} values in {worst['dtype']} at {worst['source']}")
         return text
+
+    def _float32_results_note(self) -> str:
+        """Under autocast with `float32_results`: a note when no matmul wrote float32 logits (a head without a usual
+        name rounds them to the compute dtype) or a pattern the user gave matched nothing."""
+        if not self.float32_results:
+            return ""
+        unused = self.float32_results_unused
+        unused_text = f"; float32_results patterns that match no matmul: {', '.join(unused)}" if unused else ""
+        if not any(r.get("float32_result_by") for r in self.rows):
+            return ("; float32_results kept no matmul result float32 (an output head without a usual name writes "
+                    f"{self.compute_dtype} logits: add its name with ';float32_results+=NAME' or wrap it in "
+                    "jax.named_scope('head'))" + unused_text)
+        return unused_text
 
     def __str__(self) -> str:
         """The summary, then the matmuls grouped by where they come from and their weight, its layer numbers as `*`
@@ -455,7 +483,7 @@ def _flops_text(flops: float) -> str:
 def _layers(weight: str) -> str:
     """A param path with its layer numbers as `*` (`"h.*.mlp.c_fc.kernel"`, `"Dense_*.kernel"`): one table row for
     the same weight of every layer."""
-    return re.sub(r"[0-9]+", "*", weight)
+    return re.sub(r"(^|[._/])[0-9]+(?=$|[._/])", r"\1*", weight)  # whole numbers only: `linear1` stays
 
 
 def _keep(row: tuple, keep: list) -> tuple:
@@ -469,8 +497,8 @@ def _columns(header: tuple, rows: list) -> str:
     return "\n".join(fmt.format(*row).rstrip() for row in (header, *rows))
 
 
-def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, autocast: bool = False
-                ) -> PrecisionReport:
+def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, autocast: bool = False,
+                float32_results=None) -> PrecisionReport:
     """The report of a traced step (`jax.make_jaxpr` of its gradient computation).
 
     Args:
@@ -480,6 +508,8 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
       fp8_exclude: under a stateless FP8 recipe, the policy's `fp8_exclude` patterns (each half-precision weight
         matmul's row then says which one kept it out of FP8); None otherwise.
       autocast: whether the policy runs the loss under `jaxamp.autocast` (recorded in the report).
+      float32_results: under autocast, the policy's `float32_results` patterns (each half-precision matmul with a
+        float32 result then says which one made it so); None otherwise.
 
     Returns:
       A `PrecisionReport`.
@@ -489,6 +519,8 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
     walk.visit(closed_jaxpr.jaxpr, 1, compute_half)
     if fp8_exclude is not None:
         _mark_fp8_exclusions(walk, fp8_exclude)
+    if float32_results is not None:
+        _mark_float32_results(walk, float32_results)
     total = sum(r["flops"] for r in walk.rows)
     half = sum(r["flops"] for r in walk.rows if _is_half(r["lhs"]) and _is_half(r["rhs"]))
     fallbacks = [dict(r) for r in walk.rows if compute_half and not (_is_half(r["lhs"]) and _is_half(r["rhs"]))]
@@ -500,7 +532,8 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
                            fallbacks=tuple(fallbacks) if compute_half else (),
                            half_accumulations=tuple(walk.sums),
                            fp8_exclude=tuple(fp8_exclude) if fp8_exclude is not None else (),
-                           autocast=autocast)
+                           autocast=autocast,
+                           float32_results=tuple(float32_results) if float32_results is not None else ())
 
 
 def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
@@ -516,6 +549,23 @@ def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
         match = next(((p, n) for p, rx in patterns for n in names if rx.search(n)), (None, None)) if kept_out \
             else (None, None)
         row["fp8_excluded_by"], row["fp8_excluded_name"] = match
+
+
+def _mark_float32_results(walk: _Walk, float32_results) -> None:
+    """Each row's `float32_result_by`: for a `dot_general` with half-precision (not FP8) operands and a float32
+    result, the first `float32_results` pattern found in a name of its scope, weight or call stack (as
+    `autocast_rules.float32_result_applies` decides), else None."""
+    patterns = [(p, re.compile(p)) for p in float32_results]
+    for row, eqn, scopes in zip(walk.rows, walk.eqns, walk.names):
+        wrote = (eqn.primitive.name == "dot_general" and row["out"] == "float32" and _is_half(row["lhs"])
+                 and _is_half(row["rhs"]) and not row["lhs"].startswith("float8"))
+        names = exclusion_names(eqn, scopes) if wrote else []
+        row["float32_result_by"] = next((p for p, rx in patterns for n in names if rx.search(n)), None)
+
+
+def _float32_results(policy):
+    """The policy's `float32_results` patterns under autocast, else None."""
+    return tuple(getattr(policy, "float32_results", FLOAT32_RESULTS)) if uses_autocast(policy) else None
 
 
 def _fp8_exclude(policy):
@@ -585,7 +635,8 @@ def precision_audit(state, batch: PyTree, loss_fn, *, accum_steps: int = 1, carr
 
     closed = jax.make_jaxpr(grads)(state, batch, carry)
     return audit_jaxpr(closed, policy=policy_name(state.policy), compute_dtype=state.policy.compute_dtype,
-                       fp8_exclude=_fp8_exclude(state.policy), autocast=uses_autocast(state.policy))
+                       fp8_exclude=_fp8_exclude(state.policy), autocast=uses_autocast(state.policy),
+                       float32_results=_float32_results(state.policy))
 
 
 def check_program(closed_jaxpr, policy, *, where: str) -> None:
@@ -593,5 +644,6 @@ def check_program(closed_jaxpr, policy, *, where: str) -> None:
     (the one it runs) and warns (`warn_if_degraded`), once per trace, i.e. once per compilation of a jitted step."""
     if _is_half(policy.compute_dtype):
         report = audit_jaxpr(closed_jaxpr, policy=policy_name(policy), compute_dtype=policy.compute_dtype,
-                             fp8_exclude=_fp8_exclude(policy), autocast=uses_autocast(policy))
+                             fp8_exclude=_fp8_exclude(policy), autocast=uses_autocast(policy),
+                             float32_results=_float32_results(policy))
         warn_if_degraded(report, where=where)

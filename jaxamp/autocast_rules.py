@@ -18,6 +18,7 @@ unlisted ops, which run in their inputs' promoted type) the widest class.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
@@ -109,11 +111,15 @@ class Mode:
       fp8: a `jaxamp.fp8_recipes.Recipe` for the weight matmuls (`dot_general` without batch dimensions), or None.
       fp8_exclude: compiled regular expressions; a matmul with a name on its name stack (a Flax module's name, a
         `jax.named_scope`) that one matches keeps the compute dtype.
+      float32_results: compiled regular expressions over the same names (`exclusion_names`); a `dot_general` that one
+        matches (the output head) takes compute-dtype operands and writes its result in float32
+        (`float32_result_dot`).
     """
 
     compute: np.dtype | None
     fp8: Any = None
     fp8_exclude: tuple = ()
+    float32_results: tuple = ()
 
     @property
     def reference(self) -> bool:
@@ -297,6 +303,8 @@ def matmul_rule(eqn, vals, mode: Mode, bounds=None) -> list:
             params["preferred_element_type"] = target
         if fp8_applies(eqn, mode):
             return [fp8_dot(eqn, [cast(x, target) for x in vals[:n]], params, mode)]
+        if np.dtype(params["preferred_element_type"]) == target and float32_result_applies(eqn, mode):
+            return [float32_result_dot(eqn, [cast(x, target) for x in vals[:n]], params)]
     return checked_bind(eqn, [cast(x, target) for x in vals[:n]] + list(vals[n:]), params)
 
 
@@ -359,6 +367,58 @@ def fp8_dot(eqn, operands: list, params: dict, mode: Mode):
     lhs, rhs = operands
     return fp8_dot_general(lhs, rhs, params["dimension_numbers"], preferred_element_type=params[
         "preferred_element_type"], recipe=mode.fp8, compute_dtype=mode.compute)
+
+
+def float32_result_applies(eqn, mode: Mode) -> bool:
+    """Whether this matmul writes a float32 result: a `dot_general` with a name (`exclusion_names`) that one of
+    `mode.float32_results` matches."""
+    if not mode.float32_results or eqn.primitive.name != "dot_general":
+        return False
+    return any(p.search(name) for p in mode.float32_results for name in exclusion_names(eqn))
+
+
+class _DotOp:
+    """`eqn`'s dot_general with its params but the result dtype, bound by `__call__`; a custom_vjp static argument
+    (hashed by identity: one per traced equation)."""
+
+    def __init__(self, eqn, params: dict):
+        self.eqn, self.params = eqn, {k: v for k, v in params.items() if k != "preferred_element_type"}
+
+    def __call__(self, lhs, rhs, out_dtype):
+        return bind(self.eqn, [lhs, rhs], {**self.params, "preferred_element_type": out_dtype})[0]
+
+
+def float32_result_dot(eqn, operands: list, params: dict):
+    """A `dot_general` on compute-dtype `operands` with float32 accumulation and a float32 result (logits that reach
+    the loss unrounded, as `jaxamp.layers.attend` computes them); the result's gradient is rounded to the compute
+    dtype once, so both backward matmuls still take compute-dtype operands and accumulate in float32, their results
+    in the compute dtype (as under the plain matmul rule)."""
+    return _float32_result(operands[0], operands[1], _DotOp(eqn, params))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _float32_result(lhs, rhs, op):
+    return op(lhs, rhs, F32)
+
+
+def _float32_result_fwd(lhs, rhs, op):
+    # symbolic_zeros: an operand nothing differentiates (a raw input batch) gets no gradient matmul at all.
+    needs = tuple(() if p.perturbed else None for p in (lhs, rhs))  # () / None: static in the residuals' structure
+    return op(lhs.value, rhs.value, F32), (lhs.value, rhs.value, needs)
+
+
+def _float32_result_bwd(op, residuals, g):
+    lhs, rhs, (need_lhs, need_rhs) = residuals
+    if isinstance(g, SymbolicZero):
+        return None, None
+    g = g.astype(lhs.dtype)  # the float32 output gradient rounded to the compute dtype once
+    # linear_transpose, not vjp: no forward matmul in the backward's jaxpr (the precision audit counts every one).
+    d_lhs = None if need_lhs is None else jax.linear_transpose(lambda a: op(a, rhs, lhs.dtype), lhs)(g)[0]
+    d_rhs = None if need_rhs is None else jax.linear_transpose(lambda b: op(lhs, b, rhs.dtype), rhs)(g)[0]
+    return d_lhs, d_rhs
+
+
+_float32_result.defvjp(_float32_result_fwd, _float32_result_bwd, symbolic_zeros=True)
 
 
 def float32_rule(eqn, vals, mode: Mode, bounds=None) -> list:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from jaxamp import fp8_collection as fp8c
-from jaxamp.autocasting import FP8_EXCLUDE, autocast
+from jaxamp.autocasting import FLOAT32_RESULTS, FP8_EXCLUDE, autocast
 from jaxamp.grad_stats import underflow_stats
 from jaxamp.precision import fp8_recipe, uses_autocast
 from jaxamp.state import TrainState
@@ -149,7 +149,8 @@ def compute_loss(policy, loss_fn: Callable) -> Callable:
     if not uses_autocast(policy):
         return loss_fn
     return autocast(loss_fn, policy.compute_dtype, fp8=fp8_recipe(policy),
-                    fp8_exclude=getattr(policy, "fp8_exclude", FP8_EXCLUDE))
+                    fp8_exclude=getattr(policy, "fp8_exclude", FP8_EXCLUDE),
+                    float32_results=getattr(policy, "float32_results", FLOAT32_RESULTS))
 
 
 def split_micro(batch: PyTree, accum_steps: int) -> PyTree:

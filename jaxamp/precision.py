@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import jmp
 
+from jaxamp.autocasting import FLOAT32_RESULTS
 from jaxamp.fp8_recipes import FP8_EXCLUDE, RECIPES
 
 PyTree = Any
@@ -90,6 +91,11 @@ class Policy(jmp.Policy):
       opt_state_dtype: `"bfloat16"` or `"float16"`: `TrainState.create` stores the optax state's floating arrays
         (Adam's moments) in it (`jaxamp.opt_state.low_precision_state`: the update in float32, storage narrow), or
         None (float32). The `";opt_state=bf16"` rule sets it.
+      float32_results: regular expressions over module names whose `dot_general` writes a float32 result under
+        autocast (`jaxamp.autocast`'s `float32_results`; default the output head, so that logits stay float32).
+        The `";float32_results=REGEX,REGEX"` rule replaces them, `";float32_results+=REGEX,REGEX"` adds to them;
+        `";float32_results="` leaves none (torch.amp's bfloat16 logits). Independent of `fp8_exclude`, whose
+        default names the same head: a pattern added to one is not added to the other.
     """
 
     keep_float32: tuple[str, ...] = ()
@@ -100,6 +106,7 @@ class Policy(jmp.Policy):
     fp8_recipe: str | None = dataclasses.field(default=None, repr=False)
     fp8_exclude: tuple[str, ...] = dataclasses.field(default=FP8_EXCLUDE, repr=False)
     opt_state_dtype: str | None = dataclasses.field(default=None, repr=False)
+    float32_results: tuple[str, ...] = dataclasses.field(default=FLOAT32_RESULTS, repr=False)
 
     def __post_init__(self) -> None:
         # A string would be read as one pattern per character, and "*" keeps every leaf float32.
@@ -142,8 +149,10 @@ FP8_RECIPE_SPECS = {"fp8-current": "current", "fp8-current-pow2": "current-pow2"
 _JMP_FORMS = ('"params=float32,compute=float16,output=float32"', '"p=f32,c=bf16"', 'a dtype name such as "float32"')
 _RULES = ("';keep_float32=PATTERN,PATTERN', ';autocast', ';fp8', ';fp8=RECIPE' (current, current-pow2, block, mxfp8: "
           "autocast with stateless FP8 weight matmuls), ';fp8_exclude=REGEX,REGEX' (replaces the default "
-          "exclusions) or ';fp8_exclude+=REGEX,REGEX' (adds to them) and ';opt_state=bf16' (or fp16: the optimizer "
-          "state's dtype)")
+          "exclusions) or ';fp8_exclude+=REGEX,REGEX' (adds to them), ';float32_results=REGEX,REGEX' (the matmuls "
+          "that write float32 under autocast, replacing the default, the output head; empty: none) or "
+          "';float32_results+=REGEX,REGEX' (adds to it) and ';opt_state=bf16' (or "
+          "fp16: the optimizer state's dtype)")
 _OPT_STATE_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 
 
@@ -160,7 +169,10 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
         `";autocast"`, `";keep_float32=PATTERN,PATTERN"`, `";fp8"` (delayed scaling), `";fp8=RECIPE"` (`current`,
         `current-pow2`, `block`, `mxfp8`), `";fp8_exclude=REGEX,REGEX"` (the matmuls a recipe leaves in the compute
         dtype, replacing the default, the output head's usual names `FP8_EXCLUDE`; commas inside a regex's (), [] or {}
-        stay in it) or `";fp8_exclude+=REGEX,REGEX"` (added to the default), `";opt_state=bf16"` (or `fp16`: the
+        stay in it) or `";fp8_exclude+=REGEX,REGEX"` (added to the default), `";float32_results=REGEX,REGEX"`
+        (the matmuls whose result autocast keeps float32, replacing the default, the output head; empty: none) or
+        `";float32_results+=REGEX,REGEX"` (added to the default),
+        `";opt_state=bf16"` (or `fp16`: the
         optimizer state's dtype); each rule at most once; or a `jmp.Policy`.
       keep_float32: `fnmatch` patterns of leaves that stay float32 in the compute copy (see `Policy`), added to
         those of `spec`.
@@ -177,7 +189,7 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
         for with `keep_float32` or a float32 compute dtype.
     """
     _patterns(keep_float32)
-    fp8, recipe, exclude, opt_dtype = False, None, None, None
+    fp8, recipe, exclude, opt_dtype, results = False, None, None, None, None
     if isinstance(spec, str) and ";" in spec:
         spec, *rules = spec.split(";")
         _check_repeats(rules)
@@ -194,6 +206,9 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
             elif name.strip() in ("fp8_exclude", "fp8_exclude+"):
                 added = tuple(p.strip() for p in split_patterns(patterns) if p.strip())
                 exclude = (*FP8_EXCLUDE, *added) if name.strip().endswith("+") else added
+            elif name.strip() in ("float32_results", "float32_results+") and "=" in rule:
+                added = tuple(p.strip() for p in split_patterns(patterns) if p.strip())
+                results = (*FLOAT32_RESULTS, *added) if name.strip().endswith("+") else added
             elif name.strip() == "opt_state":
                 if patterns.strip().lower() not in _OPT_STATE_DTYPES:
                     raise ValueError(f"';opt_state={patterns.strip()}': the optimizer state is stored in bf16 or "
@@ -217,12 +232,17 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
     if exclude is not None and not recipe:
         raise ValueError("';fp8_exclude=...' names matmuls to keep out of a stateless FP8 recipe; add ';fp8=current' "
                          "(or use 'fp8-current', 'fp8-block', 'mxfp8')")
+    if results is not None and not autocast:
+        raise ValueError("';float32_results=...' names the matmuls whose result autocast keeps float32; add "
+                         "';autocast' (e.g. 'bf16;autocast;float32_results=head$')")
     opt_dtype = opt_dtype or getattr(base, "opt_state_dtype", None)
     if not keep and not fp8 and not autocast and not opt_dtype:
         return base
     exclude = exclude if exclude is not None else getattr(base, "fp8_exclude", FP8_EXCLUDE)
+    results = results if results is not None else getattr(base, "float32_results", FLOAT32_RESULTS)
     return Policy(base.param_dtype, base.compute_dtype, base.output_dtype, keep_float32=keep, fp8=fp8,
-                  autocast=autocast, fp8_recipe=recipe, fp8_exclude=tuple(exclude), opt_state_dtype=opt_dtype)
+                  autocast=autocast, fp8_recipe=recipe, fp8_exclude=tuple(exclude), opt_state_dtype=opt_dtype,
+                  float32_results=tuple(results))
 
 
 def split_patterns(text: str) -> list[str]:
@@ -337,6 +357,11 @@ def policy_name(policy: jmp.Policy, *, rules: bool = True) -> str:
             name = f"{name};fp8_exclude={','.join(exclude)}"
     elif uses_autocast(policy):
         name = f"{name};autocast"
+    results = tuple(getattr(policy, "float32_results", FLOAT32_RESULTS))
+    if uses_autocast(policy) and results[:len(FLOAT32_RESULTS)] == FLOAT32_RESULTS and results != FLOAT32_RESULTS:
+        name = f"{name};float32_results+={','.join(results[len(FLOAT32_RESULTS):])}"  # the defaults and more
+    elif uses_autocast(policy) and results != FLOAT32_RESULTS:
+        name = f"{name};float32_results={','.join(results)}"
     if opt_state_dtype(policy):
         name = f"{name};opt_state={'bf16' if opt_state_dtype(policy) == 'bfloat16' else 'fp16'}"
     keep = getattr(policy, "keep_float32", ())

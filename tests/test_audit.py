@@ -303,17 +303,18 @@ def test_a_per_row_gather_gradient_is_no_half_sum_but_a_shared_row_is():
 
 
 def test_a_count_of_ties_is_no_half_sum_but_a_sum_of_values_is():
-    """A bias-less head's bf16 logits under autocast (its `.astype(float32)` is a no-op in float32 code, so not in
-    the jaxpr): the cross-entropy's max has a derivative that counts the max's ties over the whole vocabulary in
-    bf16 (JAX writes it in the max's dtype). A count of booleans is exact far past any tie count, so it is no
-    half-precision accumulation and no warning; a bf16 sum of the same size still is."""
+    """A bias-less head's bf16 logits under autocast without its float32 head rule (`float32_results=`; its
+    `.astype(float32)` is a no-op in float32 code, so not in the jaxpr): the cross-entropy's max has a derivative
+    that counts the max's ties over the whole vocabulary in bf16 (JAX writes it in the max's dtype). A count of
+    booleans is exact far past any tie count, so it is no half-precision accumulation and no warning; a bf16 sum of
+    the same size still is."""
     def loss_fn(params, batch, rng):
         logits = batch @ params["head"]  # f32 code; bf16[64, 1024] under autocast (matmul class, no bias)
         return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), jnp.arange(64)).mean()
 
     params = {"head": jax.random.normal(jax.random.key(0), (32, 1024)) * 0.1}
-    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16;autocast", loss_scale=NoOpLossScale(),
-                              rng=jax.random.key(1))
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16;autocast;float32_results=",
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(1))
     batch = jax.random.normal(jax.random.key(2), (64, 32))
     assert precision_audit(state, batch, loss_fn).half_accumulations == ()
     with warnings.catch_warnings(record=True) as caught:
@@ -346,3 +347,47 @@ def test_rows_inside_jaxamp_attention_name_the_users_line_that_called_it(policy)
     assert {(r["source"], r["library"]) for r in attention} == {
         (f"test_audit.py:{line}", "jaxamp/attention.py:dot_product_attention")}, attention
     assert all("loss_fn" in r["callers"] for r in attention), attention
+
+
+class OutputLayerNet(nn.Module):
+    """A head whose name is none of the usual ones (the JAX AI Stack's miniGPT calls it `output_layer`)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10, name="output_layer")(nn.relu(nn.Dense(32, name="linear1")(x)))
+
+
+def test_the_audit_says_when_no_matmul_writes_float32_logits_and_which_pattern_did():
+    """Under autocast: a head without a usual name writes bf16 logits, and the summary says so and how to name it;
+    `;float32_results+=` names it (its forward row writes float32, `float32_result_by` the pattern); a pattern that
+    matches nothing is listed; the table keeps `linear1` apart from a layer number."""
+    net = OutputLayerNet()  # (a class name ending in "Head" would match the default `Head\.__call__$`)
+    params = net.init(jax.random.key(0), jnp.ones((1, 8)))["params"]
+
+    def loss_fn(params, batch, rng):
+        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": params}, batch[0]),
+                                                               batch[1]).mean()
+
+    batch = (jnp.ones((4, 8)), jnp.zeros(4, jnp.int32))
+
+    def audit(policy):
+        state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(),
+                                  rng=jax.random.key(1))
+        return precision_audit(state, batch, loss_fn)
+
+    plain = audit("bf16;autocast")
+    assert "float32_results kept no matmul result float32" in plain.summary() and "bfloat16 logits" in \
+        plain.summary()
+    assert {r["out"] for r in plain.rows} == {"bfloat16"}
+    named = audit("bf16;autocast;float32_results+=^output_layer$")
+    assert "float32_results kept" not in named.summary() and "match no matmul" not in named.summary()
+    wrote = [(r["weight"], r["pass"], r["float32_result_by"]) for r in named.rows if r["out"] == "float32"]
+    assert wrote == [("output_layer.kernel", "forward", "^output_layer$")]
+    typo = audit("bf16;autocast;float32_results+=^outputlayer$")
+    assert typo.float32_results_unused == ("^outputlayer$",) and typo.summary().endswith(
+        "float32_results patterns that match no matmul: ^outputlayer$")
+    with jax.numpy_dtype_promotion("standard"):  # the cast policy's bf16 params meet the float32 batch
+        assert "float32_results" not in audit("bf16").summary()  # no autocast, no rule
+    assert "linear1.kernel" in str(named) and "output_layer.kernel" in str(named)
+    assert jaxamp.audit._layers("blocks_0.linear1.kernel") == "blocks_*.linear1.kernel"
+    assert jaxamp.audit._layers("h/12/mlp/c_fc2") == "h/*/mlp/c_fc2"

@@ -24,6 +24,7 @@ from jax.extend import source_info_util
 from jax.interpreters import mlir
 
 from jaxamp.autocasting import AutocastError, autocast, disabled, float32_reference
+from jaxamp.layers import attend
 
 BF, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 HALF = [pytest.param(BF, id="bf16"), pytest.param(F16, id="fp16")]
@@ -218,6 +219,57 @@ def test_explicit_casts_and_preferred_element_type_are_kept():
     dots = prim_dtypes(jax.make_jaxpr(autocast(f, BF))(x, w, xi, wi), "dot_general")
     assert dots == [(["bfloat16", "bfloat16"], ["float32"]), (["bfloat16", "bfloat16"], ["bfloat16"]),
                     (["int8", "int8"], ["int32"])]
+
+
+@pytest.mark.parametrize("dt", HALF)
+def test_the_output_head_writes_float32_logits_and_its_backward_runs_in_half(dt):
+    """A matmul named as the output head (`FLOAT32_RESULTS`: a `head` scope, an `lm_head` param, `Embed.attend`)
+    keeps half-precision operands but writes float32 logits; its output gradient is rounded to `dt` once, so its
+    backward matmuls stay half: the cast policies' `jaxamp.layers.attend`, value and gradients bitwise."""
+    params = {"w": normal(0, (8, 16), 0.3), "table": normal(1, (50, 16), 0.3)}
+    x = normal(2, (6, 8))
+
+    def logits_fn(p, x):
+        h = jnp.tanh(x @ p["w"])
+        with jax.named_scope("head"):
+            return jnp.einsum("td,vd->tv", h, p["table"])
+
+    def hand(p, x):
+        h = jnp.tanh(x.astype(dt) @ p["w"].astype(dt))
+        return attend(h, p["table"].astype(dt))  # forward f32[t, v]; backward: logit gradient rounded to dt once
+
+    def loss(fn):
+        return lambda p, x: jnp.mean(jax.nn.log_softmax(fn(p, x)) * jnp.arange(50.0) / 50.0)
+
+    assert autocast(logits_fn, dt)(params, x).dtype == F32
+    tree_equal(autocast(logits_fn, dt)(params, x), hand(params, x))
+    # Op by op (no jit): XLA:CPU's excess precision would drop a bf16 rounding between fused ops on either side.
+    tree_equal(jax.grad(autocast(loss(logits_fn), dt))(params, x), jax.grad(loss(hand))(params, x))
+    name = jnp.dtype(dt).name
+    dots = prim_dtypes(jax.make_jaxpr(jax.grad(autocast(loss(logits_fn), dt)))(params, x), "dot_general")
+    assert sorted(dots) == sorted([([name, name], [name]), ([name, name], ["float32"]),  # forward: up, head
+                                   ([name, name], [name]), ([name, name], [name]),  # head backward (no forward)
+                                   ([name, name], [name])])  # up's backward (no gradient for x)
+    torch_rule = prim_dtypes(jax.make_jaxpr(autocast(logits_fn, dt, float32_results=()))(params, x), "dot_general")
+    assert torch_rule == [([name, name], [name])] * 2  # float32_results=(): torch.amp's rule, half logits
+
+
+def test_float32_results_patterns_choose_the_matmuls_and_a_bad_one_is_one_clear_error():
+    params = {"w": normal(0, (8, 16)), "proj": normal(1, (16, 4))}
+
+    def f(p, x):
+        return (x @ p["w"]) @ p["proj"]  # the param path names each matmul (`proj`, `w`)
+
+    x = normal(2, (3, 8))
+    assert [o for _, (o,) in prim_dtypes(jax.make_jaxpr(autocast(f, BF))(params, x), "dot_general")] == \
+        ["bfloat16", "bfloat16"]  # neither is a head
+    picked = jax.make_jaxpr(autocast(f, BF, float32_results=r"(^|\.)proj$"))(params, x)
+    assert [o for _, (o,) in prim_dtypes(picked, "dot_general")] == ["bfloat16", "float32"]
+    with pytest.raises(ValueError, match="float32_results must be regular expressions"):
+        autocast(f, BF, float32_results=["(unclosed"])
+    linear = autocast(lambda p, x: jnp.sum(jnp.tanh(x @ p["proj"])), BF, float32_results=["proj"])  # on the raw input
+    grad_dots = prim_dtypes(jax.make_jaxpr(jax.grad(linear))({"proj": normal(3, (8, 4))}, x), "dot_general")
+    assert grad_dots == [(["bfloat16", "bfloat16"], ["float32"]), (["bfloat16", "bfloat16"], ["bfloat16"])]  # no dx
 
 
 def _float32_only_primitive():

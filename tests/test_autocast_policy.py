@@ -23,6 +23,7 @@ from jaxamp import (
     get_policy,
     train_step,
 )
+from jaxamp.autocasting import FLOAT32_RESULTS
 from jaxamp.fidelity import grad_fidelity
 from jaxamp.precision import policy_name, uses_autocast
 
@@ -77,6 +78,31 @@ def test_the_policy_is_named_parsed_and_refuses_what_it_cannot_do():
         get_policy("bf16;autocast", keep_float32=("*/embedding",))
     with pytest.raises(ValueError, match="unknown policy rule 'autocst'"):
         get_policy("bf16;autocst")
+
+
+def test_float32_results_is_a_rule_of_the_name_and_reaches_the_step():
+    """`;float32_results=` replaces the default (the output head); empty leaves torch.amp's rule; names round-trip;
+    the step runs `autocast(loss_fn, ..., float32_results=...)` (bitwise) and the audit sees the float32 result."""
+    assert get_policy("bf16;autocast").float32_results == FLOAT32_RESULTS
+    for name in ("bf16;autocast;float32_results=", "bf16;autocast;float32_results=^Dense_1$,head{1,2}$",
+                 "fp8-current;float32_results="):
+        assert policy_name(get_policy(name)) == name and get_policy(policy_name(get_policy(name))) == get_policy(name)
+    assert get_policy("bf16;autocast;float32_results=a,b{1,2}").float32_results == ("a", "b{1,2}")
+    added = get_policy("bf16;autocast;float32_results+=^output_layer$")  # the defaults and one more
+    assert added.float32_results == (*FLOAT32_RESULTS, "^output_layer$")
+    assert policy_name(added) == "bf16;autocast;float32_results+=^output_layer$"
+    with pytest.raises(ValueError, match="given twice"):
+        get_policy("bf16;autocast;float32_results=a;float32_results+=b")
+    with pytest.raises(ValueError, match="add ';autocast'"):
+        get_policy("bf16;float32_results=head$")
+    spec = "bf16;autocast;float32_results=^Dense_1$"  # the model's last Dense, by its linen name
+    by_policy, by_hand = state_of(spec), state_of("fp32")
+    hand_loss = autocast(loss_fn, jnp.bfloat16, float32_results=["^Dense_1$"])
+    by_policy, m1 = STEP(by_policy, batch_of(0), loss_fn)
+    by_hand, m2 = STEP(by_hand, batch_of(0), hand_loss)
+    assert float(m1["loss"]) == float(m2["loss"]) and bits(by_policy.params) == bits(by_hand.params)
+    outs = {r["out"] for r in jaxamp.precision_audit(by_policy, batch_of(0), loss_fn).rows if r["pass"] == "forward"}
+    assert "float32" in outs and "bfloat16" in outs
 
 
 @pytest.mark.slow

@@ -93,14 +93,15 @@ def test_fp8_current_quantizes_every_weight_matmul_but_the_head_and_holds_no_sta
     rows = fp8_rows(report)
     assert rows[("forward", "float8_e4m3fn", "float8_e4m3fn")] == 2  # up and mid
     assert rows[("forward", "bfloat16", "bfloat16")] == 1  # the head, excluded by name
-    assert rows[("backward", "float8_e5m2", "float8_e4m3fn")] == 4  # dgrad and wgrad of up and mid, e5m2 gradients
+    # e5m2 gradients: wgrad of up and mid, dgrad of mid (up's input is the batch: no gradient, no GEMM)
+    assert rows[("backward", "float8_e5m2", "float8_e4m3fn")] == 3
     assert report.half_fraction == 1.0 and 0.5 < report.fp8_fraction < 1.0
     assert "% in FP8)" in report.summary()
     everything = precision_audit(make_state("fp8-current;fp8_exclude=^$"), make_batch(0), loss_fn)
     assert fp8_rows(everything)[("forward", "float8_e4m3fn", "float8_e4m3fn")] == 3  # nothing excluded
     block = fp8_rows(precision_audit(make_state("fp8-block"), make_batch(0), loss_fn))
     assert block[("forward", "float8_e4m3fn", "float8_e4m3fn")] == 2 and block[("backward", "float8_e4m3fn",
-                                                                                   "float8_e4m3fn")] == 4
+                                                                                   "float8_e4m3fn")] == 3
 
 
 class Named(nn.Module):
@@ -462,3 +463,17 @@ def test_the_lm_under_fp8_current_keeps_its_tied_head_and_attention_in_bf16():
     rows = fp8_rows(precision_audit(state, (tokens, tokens), make_loss_fn(model)))
     assert rows[("forward", "float8_e4m3fn", "float8_e4m3fn")] == 2 * 4  # c_attn, c_proj, c_fc, mlp c_proj
     assert rows[("forward", "bfloat16", "bfloat16")] == 2 * 2 + 1  # attention scores and values, the tied head
+
+
+def test_the_excluded_head_writes_float32_logits_and_an_fp8_head_does_not():
+    """Under a stateless recipe the head, kept out of FP8 by `fp8_exclude`, is autocast's float32-result matmul
+    (bf16 operands, float32 logits; `;float32_results=` makes them bf16); a head put back into FP8
+    (`;fp8_exclude=`) is an FP8 matmul like the rest (whose f8 . f8 products are float32 before their scales)."""
+    def forward(spec):
+        report = precision_audit(make_state(spec), make_batch(0), loss_fn)
+        return {(r["weight"], r["lhs"], r["out"]) for r in report.rows if r["pass"] == "forward"}
+
+    fp8 = {("up.kernel", "float8_e4m3fn", "float32"), ("mid.kernel", "float8_e4m3fn", "float32")}
+    assert forward("fp8-current") == fp8 | {("head.kernel", "bfloat16", "float32")}
+    assert forward("fp8-current;float32_results=") == fp8 | {("head.kernel", "bfloat16", "bfloat16")}
+    assert forward("fp8-current;fp8_exclude=") == fp8 | {("head.kernel", "float8_e4m3fn", "float32")}

@@ -310,6 +310,23 @@ def test_quantizations_in_the_jaxpr(recipe, forward, backward):
     assert _fp8_converts(jax.make_jaxpr(grad)(x, w).jaxpr) == backward
 
 
+@pytest.mark.parametrize("recipe", ["current", "block"])
+def test_an_operand_nothing_differentiates_gets_no_gradient_gemm(recipe):
+    """A raw input batch (or a frozen weight) needs no gradient: its GEMM is not in the jaxpr at all (the precision
+    audit counts only what runs), and the other gradient is bitwise the one computed beside it."""
+    x, w = normal(24, (64, 128)), normal(25, (128, 64))
+    loss = functools.partial(_loss, recipe)
+
+    def dots(argnums):
+        return sum(e.primitive.name == "dot_general" for e in jax.make_jaxpr(jax.grad(loss, argnums))(x, w).jaxpr.eqns)
+
+    assert (dots((0, 1)), dots(1), dots(0)) == (3, 2, 2)  # forward + dgrad + wgrad; forward + one
+    dx, dw = jax.grad(loss, (0, 1))(x, w)
+    np.testing.assert_array_equal(jax.grad(loss, 1)(x, w), dw)
+    np.testing.assert_array_equal(jax.grad(loss, 0)(x, w), dx)
+    assert jax.grad(lambda x, w: jax.lax.stop_gradient(loss(x, w)) + jnp.sum(w), 1)(x, w).shape == w.shape
+
+
 def _fp8_value(var, producers, layout_ops=("transpose", "reshape")) -> bool:
     """Whether `var` is an FP8 array (possibly through transposes and reshapes of one)."""
     eqn = producers.get(var)

@@ -71,6 +71,8 @@ DATA_DOCS = {
                         "and the recipe each names.",
     "FP8_EXCLUDE": "The default ``fp8_exclude`` of ``autocast``: regular expressions over module names, param "
                    "paths and function names whose matmuls keep the compute dtype (the output head).",
+    "FLOAT32_RESULTS": "The default ``float32_results`` of ``autocast``: the output head by ``FP8_EXCLUDE``'s "
+                       "names, whose matmul writes float32 logits from compute-dtype operands.",
     "FP8_SCOPE": "The prefix of the name scope around an FP8 matmul, which the precision audit reads.",
     "MX_KERNEL_ENV": "The environment variable that picks the ``mxfp8`` path: ``jax`` "
                      "(``jax.nn.scaled_dot_general``), ``numerics``, or unset (``scaled_dot_general`` on Blackwell "
