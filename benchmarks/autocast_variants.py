@@ -22,9 +22,9 @@ swaps the rule of `dot_general` and `conv_general_dilated`:
 
 The output head keeps the shipped rule in every row (`float32_results`: float32 logits, bfloat16 backward GEMMs), so
 the rows differ only in the other matmuls. The variants are numerics only: their backward computes the
-float32-output GEMMs as float32 dots of
-bfloat16-valued operands (on a CPU the same numbers; on a GPU that form would be a float32 GEMM), and they are
-applied by swapping `jaxamp.autocast_rules.FIRST_ORDER_RULES`' matmul entries inside this process.
+float32-output GEMMs as float32 dots of bfloat16-valued operands (on a CPU the same numbers; on a GPU that form would
+be a float32 GEMM), and they are applied by swapping `jaxamp.autocast_rules.FIRST_ORDER_RULES`' matmul entries inside
+this process.
 """
 
 from __future__ import annotations

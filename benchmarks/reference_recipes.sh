@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # nanoGPT's shakespeare_char CPU recipe (as reference_run.sh) in fp32 and under the FP8-recipes issue's settings:
 # fp8-current (also with power-of-2 scales) and fp8-block (stateless FP8 weight matmuls under autocast, the tied
-# head and attention bf16) and bf16 with Adam's moments stored in bfloat16; then the table (0.3% of fp32 targets)
-# and the plot.
+# head (float32 logits) and attention bf16) and bf16 with Adam's moments stored in bfloat16; then the table (0.3% of
+# fp32 targets) and the plot.
 # Usage: bash benchmarks/reference_recipes.sh [DATA] [OUTDIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -437,6 +437,8 @@ class PrecisionReport:
         name rounds them to the compute dtype) or a pattern the user gave matched nothing."""
         if not self.float32_results:
             return ""
+        if self.fp8_fraction and self.fp8_exclude and not any(r.get("fp8_excluded_by") for r in self.rows):
+            return ""  # the head ran in FP8 (its result is no float32 logits either): the FP8 note already says so
         unused = self.float32_results_unused
         unused_text = f"; float32_results patterns that match no matmul: {', '.join(unused)}" if unused else ""
         if not any(r.get("float32_result_by") for r in self.rows):

@@ -712,7 +712,9 @@ def test_autocast_variants_round_the_gradients_and_results_they_say():
 @pytest.mark.slow
 def test_autocast_variants_tiny(tmp_path):
     """benchmarks/autocast_variants.py on Hugging Face's GPT-2 for 2 steps: three rows, every leaf within its bound,
-    and float32 matmul results bring the worst leaf closer to float32 (0.85% -> 0.61% at these weights)."""
+    and each rule gives its own gradients (had the swap of the matmul rule done nothing, the three worst-leaf cells
+    would be one: autocast 0.74% on ln_1's scale, f32-grads 0.68%, f32-results 0.74% on ln_1's bias). With the
+    float32 head in every row the variants no longer move the worst leaf down (0.85% -> 0.61% with bf16 logits)."""
     pytest.importorskip("transformers")
     out = tmp_path / "variants.md"
     proc = run_script("benchmarks/autocast_variants.py", "--trials", "gpt2_hf", "--steps", "2", "--out", str(out))
@@ -721,4 +723,4 @@ def test_autocast_variants_tiny(tmp_path):
             if line.startswith("| gpt2_hf |")]
     assert [r[1] for r in rows] == ["autocast", "f32-grads", "f32-results"] and all(r[2] == "28/28" for r in rows)
     worst = {r[1]: number(r[3].split()[1]) for r in rows}
-    assert worst["f32-results"] < worst["autocast"], worst
+    assert len({r[3] for r in rows}) == 3 and max(worst.values()) < 1.0, rows  # 1%: every leaf near float32
