@@ -384,8 +384,7 @@ class PrecisionReport:
     def fp8_unused_added(self) -> tuple[str, ...]:
         """The unused patterns the user gave: all of them, except the defaults (`FP8_EXCLUDE`, which a model need
         not match) when the exclusions begin with them (`;fp8_exclude+=...`)."""
-        defaults = FP8_EXCLUDE if self.fp8_exclude[:len(FP8_EXCLUDE)] == FP8_EXCLUDE else ()
-        return tuple(p for p in self.fp8_unused_exclusions if p not in defaults)
+        return _given(self.fp8_unused_exclusions, self.fp8_exclude, FP8_EXCLUDE)
 
     @property
     def float32_results_unused(self) -> tuple[str, ...]:
@@ -393,8 +392,7 @@ class PrecisionReport:
         otherwise): all unused ones, except the defaults (`FLOAT32_RESULTS`, which a model need not match) when the
         patterns begin with them (`;float32_results+=...`)."""
         used = {r.get("float32_result_by") for r in self.rows}
-        defaults = FLOAT32_RESULTS if self.float32_results[:len(FLOAT32_RESULTS)] == FLOAT32_RESULTS else ()
-        return tuple(p for p in self.float32_results if p not in used and p not in defaults)
+        return _given(tuple(p for p in self.float32_results if p not in used), self.float32_results, FLOAT32_RESULTS)
 
     @property
     def fp8_fraction(self) -> float:
@@ -417,12 +415,14 @@ class PrecisionReport:
             names = list(dict.fromkeys(r["fp8_excluded_name"] for r in excluded))
             text += (f"; {len(excluded)} weight matmul{'' if len(excluded) == 1 else 's'} kept out of FP8 by "
                      f"fp8_exclude ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
-        elif self.fp8_fraction and self.fp8_exclude:
+        head_in_fp8 = not excluded and bool(self.fp8_fraction and self.fp8_exclude)
+        if head_in_fp8:
             text += ("; fp8_exclude kept no matmul out of FP8 (an output head without a usual name runs in FP8: "
                      "name it in fp8_exclude or wrap it in jax.named_scope('head'))")
         if self.fp8_unused_added:
             text += f"; fp8_exclude patterns that match no matmul: {', '.join(self.fp8_unused_added)}"
-        text += self._float32_results_note()
+        if not head_in_fp8:  # (a head in FP8 writes no float32 logits either: the FP8 note says so)
+            text += self._float32_results_note()
         if self.fallbacks:
             worst = max(self.fallbacks, key=lambda r: r["flops"])
             text += f"; {sum(r['trips'] for r in self.fallbacks)} in float32, largest at {worst['source']}"
@@ -437,8 +437,6 @@ class PrecisionReport:
         name rounds them to the compute dtype) or a pattern the user gave matched nothing."""
         if not self.float32_results:
             return ""
-        if self.fp8_fraction and self.fp8_exclude and not any(r.get("fp8_excluded_by") for r in self.rows):
-            return ""  # the head ran in FP8 (its result is no float32 logits either): the FP8 note already says so
         unused = self.float32_results_unused
         unused_text = f"; float32_results patterns that match no matmul: {', '.join(unused)}" if unused else ""
         if not any(r.get("float32_result_by") for r in self.rows):
@@ -480,6 +478,12 @@ class PrecisionReport:
 def _flops_text(flops: float) -> str:
     """`"5,107.0 GFLOP"`, `"12.6 MFLOP"`: FLOPs per step in the unit that reads best."""
     return f"{flops / 1e9:,.1f} GFLOP" if flops >= 1e9 else f"{flops / 1e6:,.1f} MFLOP"
+
+
+def _given(unused: tuple[str, ...], patterns: tuple[str, ...], defaults: tuple[str, ...]) -> tuple[str, ...]:
+    """The `unused` patterns the user gave: all, except `defaults` when `patterns` begin with them (`;NAME+=...`)."""
+    skip = defaults if patterns[:len(defaults)] == defaults else ()
+    return tuple(p for p in unused if p not in skip)
 
 
 def _layers(weight: str) -> str:

@@ -211,7 +211,7 @@ def _fp8_dot(x: jax.Array, w: jax.Array, static: _Static) -> jax.Array:
 def _fp8_dot_fwd(x, w, static: _Static):
     # symbolic_zeros: x and w arrive as CustomVJPPrimal. An operand nothing differentiates (a step's raw input batch,
     # a frozen weight) gets no gradient GEMM at all, so the precision audit counts only the GEMMs XLA keeps.
-    needs = tuple(() if p.perturbed else None for p in (x, w))  # () / None: static in the residuals' structure
+    need_dx, need_dw = x.perturbed, w.perturbed
     x, w = x.value, w.value
     r = static.recipe
     if r.multiple is not None:  # the backward contracts over m (wgrad) and n (dgrad)
@@ -220,23 +220,24 @@ def _fp8_dot_fwd(x, w, static: _Static):
     xq, wq = _quantize(x, r.x), _quantize(w, r.w)
     out = checkpoint_name(_dot(xq, wq, r.x, r.w, static.precision, static.out_dtype), FP8_OUTPUT_NAME)
     # The backward's copies: x^T [.., k, m] tiled along m, w^T [.., k, n] tiled along n (or the forward's, transposed).
-    # Each is kept only for the gradient that needs it (x^T for the weight's, w^T for the input's).
-    x_res = None if needs[1] is None else xq if r.x.transposable else _quantize(_swap(x), r.x)
-    w_res = None if needs[0] is None else wq if r.w.transposable else _quantize(_swap(w), r.w)
-    return out, (x_res, w_res, needs)
+    # Each is kept only for the gradient that needs it (x^T for the weight's, w^T for the input's): a None residual
+    # tells the backward to skip that gradient.
+    x_res = None if not need_dw else xq if r.x.transposable else _quantize(_swap(x), r.x)
+    w_res = None if not need_dx else wq if r.w.transposable else _quantize(_swap(w), r.w)
+    return out, (x_res, w_res)
 
 
 def _fp8_dot_bwd(static: _Static, res, g):
     r = static.recipe
-    x_res, w_res, (need_dx, need_dw) = res
+    x_res, w_res = res
     if isinstance(g, SymbolicZero):  # the output is not differentiated: no gradient for either operand
         return None, None
     gq = _quantize(g, r.g)  # [.., m, n], tiles along n: dgrad's contraction
     dx = dw = None
-    if need_dx is not None:
+    if w_res is not None:  # dgrad
         w_t = _transposed(w_res) if r.w.transposable else w_res  # [.., k, n]
         dx = _dot(gq, w_t, r.g, r.w, static.precision, static.x_dtype)  # [.., m, k]
-    if need_dw is not None:
+    if x_res is not None:  # wgrad
         g_t = _transposed(gq) if r.g.transposable else _quantize(_swap(g), r.g)  # [.., n, m], tiles along m
         x_t = _transposed(x_res) if r.x.transposable else x_res  # [.., k, m]
         dw = _dot(g_t, x_t, r.g, r.x, static.precision).astype(static.w_dtype)  # f32[.., n, k]: no epilogue

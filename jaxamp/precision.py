@@ -204,11 +204,9 @@ def get_policy(spec: str | jmp.Policy, *, keep_float32: tuple[str, ...] | list[s
             elif name.strip() == "fp8" and patterns.strip():
                 recipe = _recipe_name(patterns.strip())
             elif name.strip() in ("fp8_exclude", "fp8_exclude+"):
-                added = tuple(p.strip() for p in split_patterns(patterns) if p.strip())
-                exclude = (*FP8_EXCLUDE, *added) if name.strip().endswith("+") else added
+                exclude = _read_patterns(name.strip(), patterns, FP8_EXCLUDE)
             elif name.strip() in ("float32_results", "float32_results+") and "=" in rule:
-                added = tuple(p.strip() for p in split_patterns(patterns) if p.strip())
-                results = (*FLOAT32_RESULTS, *added) if name.strip().endswith("+") else added
+                results = _read_patterns(name.strip(), patterns, FLOAT32_RESULTS)
             elif name.strip() == "opt_state":
                 if patterns.strip().lower() not in _OPT_STATE_DTYPES:
                     raise ValueError(f"';opt_state={patterns.strip()}': the optimizer state is stored in bf16 or "
@@ -256,6 +254,23 @@ def split_patterns(text: str) -> list[str]:
             out.append(text[start:i])
             start = i + 1
     return [*out, text[start:]]
+
+
+def _read_patterns(name: str, text: str, defaults: tuple[str, ...]) -> tuple[str, ...]:
+    """The patterns of a `;NAME=REGEX,REGEX` rule (they replace `defaults`) or a `;NAME+=...` rule (`name` ends in
+    "+": added to them)."""
+    added = tuple(p.strip() for p in split_patterns(text) if p.strip())
+    return (*defaults, *added) if name.endswith("+") else added
+
+
+def _patterns_rule(name: str, patterns: tuple[str, ...], defaults: tuple[str, ...]) -> str:
+    """How `policy_name` writes `patterns`: nothing for the defaults, `;NAME+=...` for the defaults and more (named
+    by what was added), else `;NAME=...`."""
+    if patterns == defaults:
+        return ""
+    if patterns[:len(defaults)] == defaults:
+        return f";{name}+={','.join(patterns[len(defaults):])}"
+    return f";{name}={','.join(patterns)}"
 
 
 def _check_repeats(rules: list[str]) -> None:
@@ -350,18 +365,12 @@ def policy_name(policy: jmp.Policy, *, rules: bool = True) -> str:
     if recipe:
         spec = next((n for n, r in FP8_RECIPE_SPECS.items() if r == recipe), None)
         name = spec if base == PRESETS["bf16"] and spec else f"{name};autocast;fp8={recipe}"
-        exclude = tuple(getattr(policy, "fp8_exclude", FP8_EXCLUDE))
-        if exclude[:len(FP8_EXCLUDE)] == FP8_EXCLUDE and exclude != FP8_EXCLUDE:  # the defaults and more
-            name = f"{name};fp8_exclude+={','.join(exclude[len(FP8_EXCLUDE):])}"
-        elif exclude != FP8_EXCLUDE:
-            name = f"{name};fp8_exclude={','.join(exclude)}"
+        name += _patterns_rule("fp8_exclude", tuple(getattr(policy, "fp8_exclude", FP8_EXCLUDE)), FP8_EXCLUDE)
     elif uses_autocast(policy):
         name = f"{name};autocast"
-    results = tuple(getattr(policy, "float32_results", FLOAT32_RESULTS))
-    if uses_autocast(policy) and results[:len(FLOAT32_RESULTS)] == FLOAT32_RESULTS and results != FLOAT32_RESULTS:
-        name = f"{name};float32_results+={','.join(results[len(FLOAT32_RESULTS):])}"  # the defaults and more
-    elif uses_autocast(policy) and results != FLOAT32_RESULTS:
-        name = f"{name};float32_results={','.join(results)}"
+    if uses_autocast(policy):
+        results = tuple(getattr(policy, "float32_results", FLOAT32_RESULTS))
+        name += _patterns_rule("float32_results", results, FLOAT32_RESULTS)
     if opt_state_dtype(policy):
         name = f"{name};opt_state={'bf16' if opt_state_dtype(policy) == 'bfloat16' else 'fp16'}"
     keep = getattr(policy, "keep_float32", ())
