@@ -183,9 +183,10 @@ def autocast(fn: F, dtype: Any, *, fp8: Any = None, fp8_exclude: Sequence[str] =
         param path in `fn`'s first argument or its `params=` / `variables=` keyword and each of its prefixes
         (`"blocks"`, `"blocks.0"`, `"blocks.0.up"`, `"blocks.0.up.kernel"`; an NNX model's untied `"head"`, an
         Equinox model's `"lm_head"`); methods and functions (`"Embed.attend"`, NNX's `"Linear.__call__"`, a
-        `def head(...)` of the user's). A match keeps `dtype`. Default `FP8_EXCLUDE`: the output head by its usual names, whole (`head`, `lm_head`, `logit`,
-        `logits`, `logitdense`; `Embed.attend`, the tied-embedding head of linen and NNX; the call of a class whose
-        name ends in `Head`, such as `LogitHead.__call__`).
+        `def head(...)` of the user's). A match keeps `dtype`. Default `FP8_EXCLUDE`: the output head by its usual
+        names, whole (`head`, `lm_head`, `logit`, `logits`, `logitdense`, `classifier` (Hugging Face's classification
+        heads); `Embed.attend`, the tied-embedding head of linen and NNX; the call of a class whose name ends in `Head`,
+        such as `LogitHead.__call__`).
 
     Returns:
       A function with `fn`'s signature and output structure; outputs keep their shapes, floating ones take the
@@ -342,7 +343,7 @@ def _param_path(path) -> str | None:
 
 
 def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: Sequence | None = None,
-              arg_names: Sequence | None = None, traceback=None) -> list:
+              arg_names: Sequence | None = None, traceback=None, fallback_traceback=None) -> list:
     """Evaluates an open `jaxpr` on `consts` and `args` (any dtypes), re-binding each equation under `mode`.
 
     Each equation is bound inside its own source info (traceback and name stack) and equation context, as
@@ -351,7 +352,9 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
     (optional, per arg) are the param paths of args (see `_param_path`), tracked through casts, reshapes and
     transposes, into nested jits, scan, while and cond bodies, remat and custom_jvp; a matmul with a named operand
     is bound in a `WEIGHT_SCOPE` name scope (rhs first, then lhs). `traceback` (optional) replaces every
-    equation's own traceback.
+    equation's own traceback; `fallback_traceback` (optional) replaces those of the equations whose own traceback
+    holds no frame outside JAX (the body of a library function that JAX jitted, such as `jnp.take`: its traceback
+    ends at the jitted function).
 
     Returns:
       The jaxpr's outputs (float32_reference mode: low-precision floating ones widened to float32).
@@ -377,7 +380,8 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
         rule, extra = _rule(eqn, mode), {}
         if rule in _NAMED_RULES and any(names):
             extra = {"names": names}
-        with source_info_util.user_context(traceback or eqn.source_info.traceback, name_stack=name_stack), \
+        own = traceback or _traceback(eqn, fallback_traceback)
+        with source_info_util.user_context(own, name_stack=name_stack), \
                 _eqn_context(eqn), \
                 _weight_scope(eqn, names):
             outs = rules.check_outputs(eqn, rule(eqn, vals, mode, bounds, **extra), mode)
@@ -390,6 +394,14 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
             named[eqn.outvars[0]] = names[0]
     outs = [read(v) for v in jaxpr.outvars]
     return [cast(x, rules.F32) if mode.reference and rules.is_low_float(dtype_of(x)) else x for x in outs]
+
+
+def _traceback(eqn, fallback):
+    """`eqn`'s traceback, or `fallback` where it has no frame outside JAX."""
+    own = eqn.source_info.traceback
+    if fallback is None or (own is not None and source_info_util.summarize(eqn.source_info)):
+        return own
+    return fallback  # summarize: "" where no frame is outside JAX
 
 
 def _weight_scope(eqn, names: list):
@@ -434,9 +446,11 @@ def _jit_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     vals = _constrain(vals, params.get("in_shardings"))
     closed = params["jaxpr"]
     # A jit's body is traced with tracebacks that end at the jitted function; jaxamp.attention's (library code)
-    # takes its call's instead, so the audit finds the user's line that called it.
+    # takes its call's instead, and so does an equation with no frame outside JAX (`jnp.take`'s gather, the scatter
+    # of its gradient), so the audit finds the user's line that called it.
     traceback = eqn.source_info.traceback if params.get("name") in ATTENTION_JIT_NAMES else None
-    outs = interpret(closed.jaxpr, closed.consts, vals, mode, bounds, names, traceback=traceback)
+    outs = interpret(closed.jaxpr, closed.consts, vals, mode, bounds, names, traceback=traceback,
+                     fallback_traceback=source_info_util.current().traceback)
     return _constrain(outs, params.get("out_shardings"))
 
 

@@ -184,7 +184,8 @@ FP8_SCOPE = "jaxamp_fp8"
 # `LogitHead.__call__`), which Transformer Engine's recipes also leave in bf16. Anchored to whole names (or a method's
 # name after its class's): a substring "head" would also match Equinox's "eqx.nn.MultiheadAttention" and a linen
 # `Dense(name="multihead_proj")`.
-FP8_EXCLUDE = (r"(^|\.)(lm_)?head$", r"(^|\.)logits?(dense)?$", r"(^|\.)Embed\.attend$", r"Head\.__call__$")
+FP8_EXCLUDE = (r"(^|\.)(lm_)?head$", r"(^|\.)logits?(dense)?$", r"(^|\.)classifier$", r"(^|\.)Embed\.attend$",
+               r"Head\.__call__$")
 
 
 def fp8_scope(lhs_dtype, rhs_dtype) -> str:

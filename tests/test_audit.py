@@ -328,6 +328,25 @@ def test_a_count_of_ties_is_no_half_sum_but_a_sum_of_values_is():
 
 
 @pytest.mark.parametrize("policy", ["bf16", "bf16;autocast"])
+def test_a_half_lookup_through_a_jitted_jnp_function_names_the_users_line(policy):
+    """`jnp.take` (what `nn.Embed` calls) is a jit whose body JAX traces with tracebacks that end inside JAX: the
+    bf16 scatter-add of its gradient names the user's line of the lookup, under the cast policy (the nested jit
+    stays) and under autocast (which inlines it), not "?"."""
+    def loss_fn(params, batch, rng):
+        table = params["table"].astype(jnp.bfloat16)  # a model that fixes its own dtype
+        rows = jnp.take(table, batch, axis=0)  # the lookup
+        return jnp.mean(rows.astype(jnp.float32) ** 2)
+
+    line = inspect.getsourcelines(loss_fn)[1] + 2
+    state = TrainState.create(params={"table": jnp.ones((64, 8))}, tx=optax.sgd(0.1), policy=policy,
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+    sums = precision_audit(state, jnp.zeros((4, 512), jnp.int32), loss_fn).half_accumulations
+    assert [(s["primitive"], s["dtype"], s["size"], s["pass"]) for s in sums] == \
+        [("scatter-add", "bfloat16", 2048, "backward")], sums
+    assert sums[0]["source"] == f"test_audit.py:{line}", sums
+
+
+@pytest.mark.parametrize("policy", ["bf16", "bf16;autocast"])
 def test_rows_inside_jaxamp_attention_name_the_users_line_that_called_it(policy):
     """`jaxamp.attention.dot_product_attention` is a nested jit, whose body JAX traces with tracebacks that end at
     the jit: its matmul rows still name the user's line that called it, the library entry point and the callers."""

@@ -153,6 +153,34 @@ def test_the_default_exclusions_match_whole_head_names_and_the_audit_says_which_
     assert report.fp8_exclude == () and all(excluded == "absent" for _, excluded in rows.values())
 
 
+class Classify(nn.Module):
+    """Hugging Face's classification models name their head `classifier` (FlaxViTForImageClassification)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(nn.Dense(64, name="classifier_proj")(x))  # not the head: the whole name does not match
+        return nn.Dense(4, name="classifier")(x)
+
+
+def test_a_classifier_head_is_kept_out_of_fp8_and_writes_float32_logits_by_default():
+    net = Classify()
+    params = net.init(jax.random.key(0), jnp.ones((2, 32)))["params"]
+
+    def loss(p, batch, rng):
+        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, batch["x"]), batch["y"]).mean()
+
+    def forward(policy):
+        state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(),
+                                  rng=jax.random.key(1))
+        return {r["scope"]: (r["lhs"], r["out"], r.get("fp8_excluded_by"))
+                for r in precision_audit(state, make_batch(0), loss).rows if r["pass"] == "forward"}
+
+    assert forward("fp8-current") == {"Classify/classifier_proj": ("float8_e4m3fn", "float32", None),  # then scaled
+                                      "Classify/classifier": ("bfloat16", "float32", r"(^|\.)classifier$")}
+    assert forward("bf16;autocast") == {"Classify/classifier_proj": ("bfloat16", "bfloat16", None),
+                                        "Classify/classifier": ("bfloat16", "float32", None)}
+
+
 def test_nnx_layers_are_excluded_by_the_methods_that_call_them_and_a_tied_head_by_default():
     """NNX puts no names on the name stack: the call stack's functions name its layers (`Embed.attend`, the tied
     head, by default; `Block.__call__` by a pattern)."""
