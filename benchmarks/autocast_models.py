@@ -17,9 +17,15 @@ tutorial's CNN, ESM2 in Equinox, Hugging Face's Flax GPT-2), built at tiny sizes
 - 40 steps of `train_step` (Adam 1e-3, the trial's batches) under the autocast policy against float32, and float32
   from the weights rounded once to bfloat16 (its own noise): the mean |loss difference| over the steps, and their
   ratio (within float32's noise when the ratio is at most 1.5). bfloat16 is the yardstick for both policies.
+  A step the float16 run skipped (overflow under the dynamic loss scale) is skipped by the float32 run it is set
+  against too (params and Adam state kept), so that the gap measures the arithmetic, not a trajectory one update
+  behind; the skipped steps and the gap without that are reported.
 - the same yardstick as a spread (`--noise-samples N`, default 5): float32 from N perturbations of the weights as
   large as one rounding to bfloat16 (each weight moved by its rounding error with a random sign, keys 0..N-1), so
-  that one mixed run's gap is set against how much one rounding's noise varies, not against one draw of it.
+  that one mixed run's gap is set against how much one rounding's noise varies, not against one draw of it; and
+  the three runs (float32, float32 from the rounded weights, mixed) on `--seeds N` draws of the data (default 5,
+  the first the trial's own batches), so that the median mixed gap is set against the median noise, both drawn
+  alike.
 """
 
 from __future__ import annotations
@@ -97,21 +103,43 @@ class Runner:
                     self.state, self.batch, self.trial.loss_fn, noise_floor=jnp.dtype(jnp.bfloat16))
         return jax.device_get(report)
 
-    def losses(self, steps: int) -> list[float]:
-        out, batch = [], self.batch
+    def losses(self, steps: int, skip=(), seed: int = 0) -> list[float]:
+        """The loss of each of `steps` training steps; `self.skipped`: the steps whose update was skipped (their
+        gradients not finite). With `skip`, those steps' updates are dropped as a skipped step drops them (params and
+        optimizer state kept, BatchNorm statistics and RNG counts not), so a float32 run can skip what a float16 one
+        skipped. Step i's batch is the trial's `make_batch(key(i))`, or with `seed` k > 0 `make_batch(key(1000 k +
+        i))`: another draw of the data, the weights at init unchanged."""
+        out, batch, self.skipped = [], self.batch, []
         with jax.numpy_dtype_promotion("standard"):
             for i in range(steps):
-                batch = {**self.trial.make_batch(jax.random.key(i)), **_carried(batch)} \
-                    if isinstance(batch, dict) else self.trial.make_batch(jax.random.key(i))
+                key = jax.random.key(1000 * seed + i)
+                batch = {**self.trial.make_batch(key), **_carried(batch)} if isinstance(batch, dict) \
+                    else self.trial.make_batch(key)
                 if self.trial.kind == "nnx":
-                    metrics = jnnx.train_step(self.trial.model, self.opt, batch, self.trial.loss_fn)
+                    metrics = self._nnx_step(batch, drop=i in skip)
                 else:
-                    self.state, metrics = self.step_fn(self.state, batch, self.trial.loss_fn)
+                    new, metrics = self.step_fn(self.state, batch, self.trial.loss_fn)
+                    self.state = new.replace(params=self.state.params, opt_state=self.state.opt_state) \
+                        if i in skip else new
                     aux = metrics.get("aux")
                     if isinstance(aux, dict) and "batch_stats" in aux:  # ImageNet's BatchNorm statistics
                         batch = {**batch, "batch_stats": aux["batch_stats"]}
+                if not bool(metrics["grads_finite"]):
+                    self.skipped.append(i)
                 out.append(float(metrics["loss"]))
         return out
+
+    def _nnx_step(self, batch, drop: bool) -> dict:
+        from flax import nnx
+
+        # copies: a State holds the live variables, which the step writes its new values into
+        kept = jax.tree.map(lambda x: x, (nnx.state(self.trial.model, nnx.Param), nnx.state(self.opt))) \
+            if drop else None
+        metrics = jnnx.train_step(self.trial.model, self.opt, batch, self.trial.loss_fn)
+        if drop:
+            nnx.update(self.trial.model, kept[0])
+            nnx.update(self.opt, kept[1])
+        return metrics
 
 
 def signed_rounding(x: jax.Array, key: jax.Array) -> jax.Array:
@@ -141,20 +169,34 @@ def gradient_row(report: dict) -> dict:
     return {"within": within, "counted": counted, "near_zero": near, "worst": worst}
 
 
-def measure(name: str, steps: int, noise_samples: int) -> dict:
+def measure(name: str, steps: int, noise_samples: int, seeds: int) -> dict:
     cast = Runner(name, "bf16", jaxamp.NoOpLossScale()).audit()
     fp32 = Runner(name, "fp32", jaxamp.NoOpLossScale()).losses(steps)
-    noise = Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16).losses(steps)
     spread = [loss_gap(Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16,
                               rounding_key=jax.random.key(k)).losses(steps), fp32) for k in range(noise_samples)]
+    aligned = {(0, ()): fp32}  # float32 runs skipping the steps a float16 run skipped, by (data seed, skipped steps)
+
+    def reference(seed: int, skipped: list) -> list[float]:
+        key = (seed, tuple(skipped))
+        if key not in aligned:
+            aligned[key] = Runner(name, "fp32", jaxamp.NoOpLossScale()).losses(steps, skip=set(skipped), seed=seed)
+        return aligned[key]
+
+    noise = [loss_gap(Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16).losses(steps, seed=k),
+                      reference(k, [])) for k in range(max(seeds, 1))]  # float32's own noise, per data seed
     row = {"kind": TRIALS[name]().kind, "cast": cast, "policies": {}, "spread": sorted(spread)}
     for policy, loss_scale in POLICIES.items():
         runner = Runner(name, policy, loss_scale())
         audit, grads = runner.audit(), gradient_row(runner.fidelity())
         mixed = runner.losses(steps)
-        gap, floor = loss_gap(mixed, fp32), loss_gap(noise, fp32)
-        row["policies"][policy] = {"audit": audit, "grads": grads, "gap": gap, "noise": floor,
-                                   "last": (mixed[-1], fp32[-1])}
+        gaps = [loss_gap(mixed, reference(0, runner.skipped))]
+        for k in range(1, seeds):  # the same pair of runs on other draws of the data
+            other = Runner(name, policy, loss_scale())
+            gaps.append(loss_gap(other.losses(steps, seed=k), reference(k, other.skipped)))
+        row["policies"][policy] = {
+            "audit": audit, "grads": grads, "gap": gaps[0], "raw_gap": loss_gap(mixed, fp32),
+            "skipped": runner.skipped, "noise": noise[0], "seed_gaps": gaps, "seed_noise": noise,
+            "last": (mixed[-1], fp32[-1])}
     return row
 
 
@@ -177,6 +219,7 @@ def noise_cells(gap: float, noise: float) -> list[str]:
 
 def report(rows: dict, steps: int, argv) -> str:
     n_spread = max((len(r["spread"]) for r in rows.values()), default=0)
+    n_seeds = max((len(p["seed_gaps"]) for r in rows.values() for p in r["policies"].values()), default=0)
     lines = ["# Autocast on six outside model codebases (model code unchanged)", "",
              f"- command: `{harness.command_line(__file__, argv)}`", f"- machine: {harness.machine()}",
              f"- date: {harness.now()}", f"- {steps} training steps per run; Adam 1e-3; the trials' own batches", "",
@@ -189,27 +232,53 @@ def report(rows: dict, steps: int, argv) -> str:
                       *(f"{100 * p['audit'].half_fraction:.1f}%" for p in r["policies"].values())])
     lines += harness.table(["model", "kind", "cast policy bf16", "its first float32 fall-back",
                             *(f"{p}" for p in POLICIES)], table, "llrlrr")
-    lines += ["", "## Gradients against float32, and 40 steps against float32's own noise", ""]
-    table = []
-    for name, r in rows.items():
-        for policy, p in r["policies"].items():
-            g = p["grads"]
-            table.append([name, policy, f"{g['within']}/{g['counted']}", str(g["near_zero"]), worst_cell(g),
-                          f"{p['gap']:.2e}", f"{p['noise']:.2e}", *noise_cells(p["gap"], p["noise"]),
-                          *spread_cells(p["gap"], r["spread"])])
+    lines += ["", "## Gradients against float32", ""]
+    table = [[name, policy, f"{p['grads']['within']}/{p['grads']['counted']}", str(p["grads"]["near_zero"]),
+              worst_cell(p["grads"])] for name, r in rows.items() for policy, p in r["policies"].items()]
     lines += harness.table(["model", "policy", "leaves within max(2%, 1.5x floor)", "near-zero leaves",
-                            "worst leaf (error / its noise floor)", "loss gap to fp32 (mean abs)",
+                            "worst leaf (error / its noise floor)"], table, "llrrl")
+    lines += ["", "The noise floor of a leaf: its float32 gradient at the weights rounded once to bfloat16, "
+              "against the float32 gradient. Batches are the trials' tiny ones (4 sequences or images), so per-leaf "
+              "errors of ill-conditioned models (BatchNorm at init) are large even for float32 rounding.",
+              "", f"## {steps} steps against float32's own noise", ""]
+    table = [[name, policy, skipped_cell(p), f"{p['gap']:.2e}", f"{p['noise']:.2e}", *noise_cells(p["gap"], p["noise"]),
+              *spread_cells(p["gap"], r["spread"]), *seed_cells(p["seed_gaps"], p["seed_noise"])]
+             for name, r in rows.items() for policy, p in r["policies"].items()]
+    lines += harness.table(["model", "policy", "skipped steps (overflow)", "loss gap to fp32 (mean abs)",
                             "fp32's own noise", "ratio", "within noise (<= 1.5)",
                             "fp32's noise, signed roundings (min / median / max)", "ratio to median",
-                            "within 1.5x median"], table, "llrrlrrrlrrl")
-    lines += ["", "The noise floor of a leaf: its float32 gradient at the weights rounded once to bfloat16, "
-              "against the float32 gradient; float32's own noise: the float32 run from the weights rounded once to "
-              "bfloat16, against the float32 run. Batches are the trials' tiny ones (4 sequences or images),"
-              " so per-leaf errors of ill-conditioned models (BatchNorm at init) are large even for float32 rounding."
-              f" The last three columns: float32 from {n_spread} perturbations of the weights as large as one rounding"
-              " to bfloat16 (each weight moved by its rounding error with a random sign, keys 0..N-1), each against "
-              "the float32 run: how much the one-rounding yardstick itself varies."]
+                            "within 1.5x median", "data seeds: gap / fp32's noise, per seed",
+                            "median gap / median noise", "within 1.5x"], table, "llrrrrlrrlrrl")
+    lines += ["", "Loss gap: the mean |difference| of the per-step losses from float32's. A step that the float16 "
+              "run skipped (its gradients overflowed under the dynamic loss scale, which starts at 2^15) is skipped "
+              "by the float32 run it is compared with as well (params and Adam state kept, BatchNorm statistics "
+              "not, as a skipped step keeps them): a skipped step shifts the whole trajectory by one update, which "
+              "is the loss scale's doing, not the arithmetic's; the gap to the float32 run that skips nothing is "
+              "in the skipped-steps column. float32's own noise: the float32 run from the weights rounded once to "
+              "bfloat16, against the float32 run."
+              f" The signed-rounding columns: float32 from {n_spread} perturbations of the weights as large as one "
+              "rounding to bfloat16 (each weight moved by its rounding error with a random sign, keys 0..N-1), each "
+              "against the float32 run: how much the one-rounding yardstick itself varies. The last three: the "
+              f"same three runs (float32, float32 from the rounded weights, mixed) on {n_seeds} draws of the data "
+              "(seed 0: the batches above; seed k: step i's batch from key 1000 k + i; the weights at init the "
+              "same), each mixed run against its float32 run: the median gap over the median noise is the "
+              "one-draw ratio with both sides drawn alike."]
     return "\n".join(lines) + "\n"
+
+
+def skipped_cell(p: dict) -> str:
+    """The skipped steps and, when any, the gap to the float32 run that skipped none."""
+    if not p["skipped"]:
+        return "0"
+    return f"{len(p['skipped'])} (step {', '.join(map(str, p['skipped']))}; gap without skipping {p['raw_gap']:.2e})"
+
+
+def seed_cells(gaps: list[float], noise: list[float]) -> list[str]:
+    """Each data seed's gap over its float32 noise, the median gap over the median noise, and whether <= 1.5."""
+    if len(gaps) < 2:
+        return ["-", "-", "-"]
+    ratio = float(np.median(gaps)) / float(np.median(noise))
+    return [" ".join(f"{g / n:.2f}" for g, n in zip(gaps, noise)), f"{ratio:.2f}", "yes" if ratio <= 1.5 else "no"]
 
 
 def spread_cells(gap: float, spread: list[float]) -> list[str]:
@@ -230,6 +299,7 @@ def each_trial(names, measure_one) -> dict:
         except SourceUnavailable as err:
             harness.log(f"{name}: skipped ({err})")
         harness.log(f"{name} done")
+        jax.clear_caches()  # each trial's runs compile their own steps: without this, memory grows trial by trial
     return rows
 
 
@@ -239,10 +309,13 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (default: %(default)s)")
     parser.add_argument("--noise-samples", type=int, default=5,
                         help="float32 runs from signed roundings of the weights to bfloat16 (default: %(default)s)")
+    parser.add_argument("--seeds", type=int, default=5,
+                        help="draws of the data for the paired float32 / mixed runs, the trial's own first "
+                             "(default: %(default)s)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     harness.check_output(parser, "--out", args.out)
-    rows = each_trial(args.trials, lambda name: measure(name, args.steps, args.noise_samples))
+    rows = each_trial(args.trials, lambda name: measure(name, args.steps, args.noise_samples, args.seeds))
     harness.write_report(args.out, report(rows, args.steps, argv if argv is not None else sys.argv[1:]))
     return 0
 

@@ -1,5 +1,5 @@
 """Where bf16 autocast's distance from float32 comes from: the same outside models under autocast as it is and under
-two numerics-only variants of its matmul rule that round less.
+three numerics-only variants of its matmul rule that round less.
 
     python benchmarks/autocast_variants.py                       # the six outside models, 40 steps
     python benchmarks/autocast_variants.py --trials lm1b --steps 2 --out /tmp/v.md   # a test
@@ -17,8 +17,11 @@ swaps the rule of `dot_general` and `conv_general_dilated`:
   activations after a LayerNorm or softmax) comes out of its backward GEMM in float32, unrounded, as Transformer
   Engine's `main_grad` takes weight gradients and flash attention keeps dP;
 - `f32-results`: also each matmul's result in float32 (as flash attention keeps the scores S = QK^T): only the
-  operands are rounded to bfloat16, the least rounding a bfloat16 matmul allows; the backward GEMMs still take
-  bfloat16 operands (the output gradient rounded to bfloat16).
+  operands are rounded to bfloat16; the backward GEMMs still take bfloat16 operands (the output gradient rounded to
+  bfloat16);
+- `operands-only`: only the forward GEMMs' operands rounded to bfloat16; the output gradient stays float32, so the
+  backward GEMMs see only the forward's rounded operands: the least rounding any scheme that runs the matmuls and
+  convolutions on bfloat16 operands can do, a floor for what a leaf's gradient error can be under autocast.
 
 The output head keeps the shipped rule in every row (`float32_results`: float32 logits, bfloat16 backward GEMMs), so
 the rows differ only in the other matmuls. The variants are numerics only: their backward computes the
@@ -51,7 +54,8 @@ from jaxamp import autocast_rules  # noqa: E402
 DEFAULT_OUT = harness.RESULTS / "autocast_variants.md"
 TRIAL_NAMES = ["lm1b", "gemma_nnx", "esm2_equinox", "gpt2_hf", "imagenet_resnet", "mnist_cnn_nnx"]
 OPS = ("dot_general", "conv_general_dilated")
-VARIANTS = {"autocast": None, "f32-grads": "bfloat16", "f32-results": "float32"}  # variant: its matmul result dtype
+VARIANTS = {"autocast": None, "f32-grads": ("bfloat16", True), "f32-results": ("float32", True),
+            "operands-only": ("float32", False)}  # variant: (its matmul result dtype, output gradient rounded)
 POLICY = "bf16;autocast"
 F32 = np.dtype(np.float32)
 
@@ -68,21 +72,23 @@ class _Op:
         return self.primitive.bind(a, b, preferred_element_type=out_dtype, precision=precision, **self.params)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _matmul(x, w, op, out_dtype, wide):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _matmul(x, w, op, out_dtype, wide, round_g):
     """`op` on `x`, `w` rounded to bfloat16, result in `out_dtype`; `wide[i]`: operand i's gradient in float32 (it
-    was float32 before the rounding)."""
-    return _matmul_fwd(x, w, op, out_dtype, wide)[0]
+    was float32 before the rounding); `round_g`: the output gradient rounded to bfloat16 (a bfloat16 GEMM operand)
+    before the backward GEMMs."""
+    return _matmul_fwd(x, w, op, out_dtype, wide, round_g)[0]
 
 
-def _matmul_fwd(x, w, op, out_dtype, wide):
+def _matmul_fwd(x, w, op, out_dtype, wide, round_g):
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     return op(xb, wb, out_dtype), (xb, wb)
 
 
-def _matmul_bwd(op, out_dtype, wide, residuals, g):
+def _matmul_bwd(op, out_dtype, wide, round_g, residuals, g):
     xb, wb = residuals
-    g = g.astype(jnp.bfloat16).astype(F32)  # the output gradient as a bfloat16 GEMM operand
+    if round_g:
+        g = g.astype(jnp.bfloat16).astype(F32)  # the output gradient as a bfloat16 GEMM operand
     highest = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
     _, vjp = jax.vjp(lambda a, b: op(a, b, None, highest), xb.astype(F32), wb.astype(F32))
     grads = vjp(g)  # bfloat16-valued operands, float32 sums
@@ -92,7 +98,7 @@ def _matmul_bwd(op, out_dtype, wide, residuals, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def variant_rule(out_dtype: str):
+def variant_rule(out_dtype: str, round_g: bool):
     """A matmul rule: float32/bfloat16 operands with at least one float32 go through `_matmul`; the rest as
     autocast does."""
     shipped = autocast_rules.matmul_rule
@@ -105,7 +111,7 @@ def variant_rule(out_dtype: str):
                 or eqn.params.get("preferred_element_type") not in (None, F32, np.dtype(jnp.bfloat16))):
             return shipped(eqn, vals, mode, bounds)
         wide = tuple(d == F32 for d in dtypes)
-        return [_matmul(vals[0], vals[1], _Op(eqn), np.dtype(out_dtype), wide)]
+        return [_matmul(vals[0], vals[1], _Op(eqn), np.dtype(out_dtype), wide, round_g)]
 
     return rule
 
@@ -115,7 +121,7 @@ def variant(name: str):
     """Autocast's matmul rules (`OPS`) swapped for `name`'s inside the block (traces cleared on entry and exit)."""
     shipped = {op: autocast_rules.FIRST_ORDER_RULES[op] for op in OPS}
     if VARIANTS[name] is not None:
-        autocast_rules.FIRST_ORDER_RULES.update(dict.fromkeys(OPS, variant_rule(VARIANTS[name])))
+        autocast_rules.FIRST_ORDER_RULES.update(dict.fromkeys(OPS, variant_rule(*VARIANTS[name])))
     jax.clear_caches()
     try:
         yield
@@ -132,14 +138,31 @@ def measure(name: str, steps: int) -> dict:
     for v in VARIANTS:
         with variant(v):
             runner = Runner(name, POLICY, jaxamp.NoOpLossScale())
-            grads = gradient_row(runner.fidelity())
+            fidelity = runner.fidelity()
             gap = loss_gap(runner.losses(steps), fp32)
-        rows[v] = {"grads": grads, "gap": gap, "noise": floor}
+        rows[v] = {"grads": gradient_row(fidelity), "gap": gap, "noise": floor, "leaves": leaf_errors(fidelity)}
     return rows
 
 
+def leaf_errors(fidelity: dict) -> dict:
+    """{leaf: (error, its bound max(2%, 1.5 x floor))} for the leaves not near zero."""
+    return {name: (float(err), max(0.02, 1.5 * float(fidelity["noise_floor"][name])))
+            for name, err in fidelity["rel_err"].items() if not bool(fidelity["near_zero"][name])}
+
+
+def outside_lines(rows: dict) -> list[str]:
+    """One line per leaf outside its bound under `autocast`: its error under each rule."""
+    lines = []
+    for name, variants in rows.items():
+        for leaf, (err, bound) in variants["autocast"]["leaves"].items():
+            if err > bound:
+                errors = ", ".join(f"{v} {100 * p['leaves'][leaf][0]:.2f}%" for v, p in variants.items())
+                lines.append(f"- {name} `{leaf}` (bound {100 * bound:.2f}%): {errors}")
+    return lines
+
+
 def report(rows: dict, steps: int, argv) -> str:
-    lines = ["# bf16 autocast and two matmul rules that round less (numerics only)", "",
+    lines = ["# bf16 autocast and three matmul rules that round less (numerics only)", "",
              f"- command: `{harness.command_line(__file__, argv)}`", f"- machine: {harness.machine()}",
              f"- date: {harness.now()}", f"- policy {POLICY}; {steps} training steps per run; Adam 1e-3; the trials' "
              "own batches (autocast_models.py's yardsticks)", ""]
@@ -154,8 +177,12 @@ def report(rows: dict, steps: int, argv) -> str:
                             "ratio", "within noise (<= 1.5)"], table, "llrlrrrl")
     lines += ["", "`autocast`: jaxamp's rule (bfloat16 results and gradients); `f32-grads`: the gradients of operands "
               "narrowed from float32 out of their GEMMs in float32; `f32-results`: also the matmul results in "
-              "float32. Yardsticks as in autocast_models.md (fp32's own noise: float32 from the weights rounded once "
-              "to bfloat16)."]
+              "float32; `operands-only`: only the forward GEMMs' operands rounded to bfloat16, everything else "
+              "float32 (the backward GEMMs too, on the same rounded operands): the least rounding any scheme that "
+              "runs the matmuls and convolutions on bfloat16 operands can do. Yardsticks as in autocast_models.md "
+              "(fp32's own noise: float32 from the weights rounded once to bfloat16).", "",
+              "The leaves outside their bound (max(2%, 1.5x floor)) under `autocast`, and their error under each "
+              "rule:", "", *(outside_lines(rows) or ["- none"])]
     return "\n".join(lines) + "\n"
 
 

@@ -573,22 +573,58 @@ def test_autocast_speed_tiny(tmp_path):
 def test_autocast_models_tiny(tmp_path):
     """benchmarks/autocast_models.py on one outside model for 3 steps: the cast policy runs its matmuls in float32
     and names where, autocast runs them all in half precision, every leaf's gradient is within its bound; one
-    signed-rounding noise run gives the spread cells (min = median = max)."""
+    signed-rounding noise run gives the spread cells (min = median = max), and two data seeds the paired cells (the
+    first seed's ratio the one-draw ratio)."""
     pytest.importorskip("transformers")
     out = tmp_path / "models.md"
     proc = run_script("benchmarks/autocast_models.py", "--trials", "gpt2_hf", "--steps", "3", "--noise-samples", "1",
-                      "--out", str(out))
+                      "--seeds", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     audit = next(line for line in text.splitlines() if line.startswith("| gpt2_hf | hf |"))
     cells = [c.strip() for c in audit.strip("|").split("|")]
     assert cells[2] == "0.0%" and "gpt2.py:" in cells[3] and cells[4:6] == ["100.0%", "100.0%"], cells
-    grads = [line for line in text.splitlines() if line.startswith("| gpt2_hf | bf16;autocast |")]
-    assert grads and grads[0].split("|")[3].strip() == "28/28", grads
-    cells = [c.strip() for c in grads[0].strip().strip("|").split("|")]
-    spread = [number(x) for x in cells[9].split("/")]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("| gpt2_hf | bf16;autocast |")]
+    assert len(rows) == 2 and rows[0][2] == "28/28", rows  # the gradient table, then the steps table
+    cells = rows[1]
+    assert cells[2] == "0", cells  # bf16 with no loss scale skips nothing
+    spread = [number(x) for x in cells[7].split("/")]
     assert len(spread) == 3 and spread[0] == spread[1] == spread[2] > 0, cells
-    assert abs(number(cells[10]) - number(cells[5]) / spread[1]) < 0.01 + 0.01 * number(cells[10]), cells
+    assert abs(number(cells[8]) - number(cells[3]) / spread[1]) < 0.01 + 0.01 * number(cells[8]), cells
+    per_seed = [number(x) for x in cells[10].split()]
+    assert len(per_seed) == 2 and per_seed[0] == number(cells[5]) and per_seed[1] > 0, cells
+    assert number(cells[11]) > 0 and cells[12] in ("yes", "no"), cells
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", ["imagenet_resnet", "mnist_cnn_nnx"])  # linen with batch_stats; NNX
+def test_autocast_models_float32_run_skips_the_steps_it_is_told(trial):
+    """The float32 run set against a float16 run that skipped a step skips it too: params and the optax state after
+    steps 0-1 with step 1 skipped are bitwise those after step 0 alone (structure first); the losses of step 0 agree,
+    and nothing skips on its own in float32."""
+    from outside_models import SourceUnavailable
+
+    from benchmarks.autocast_models import Runner
+
+    def after(steps, skip=()):
+        try:
+            runner = Runner(trial, "fp32", jaxamp.NoOpLossScale())
+        except SourceUnavailable as err:
+            pytest.skip(str(err))
+        losses = runner.losses(steps, skip=skip)
+        assert runner.skipped == [], runner.skipped
+        if runner.trial.kind == "nnx":
+            from flax import nnx
+
+            return losses, jax.tree.map(np.asarray, (nnx.state(runner.trial.model, nnx.Param), nnx.state(runner.opt)))
+        return losses, jax.tree.map(np.asarray, (runner.state.params, runner.state.opt_state))
+
+    (one, tree_one), (two, tree_two), (free, tree_free) = after(1), after(2, skip={1}), after(2)
+    assert jax.tree.structure(tree_one) == jax.tree.structure(tree_two)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(tree_one), jax.tree.leaves(tree_two)))
+    assert one[0] == two[0] == free[0]
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(tree_one), jax.tree.leaves(tree_free)))
 
 
 @pytest.mark.slow
@@ -676,8 +712,8 @@ def test_fp8_fidelity_benchmark_tiny(tmp_path, text_corpus):
 
 def test_autocast_variants_round_the_gradients_and_results_they_say():
     """benchmarks/autocast_variants.py's rules, on x @ w under bf16 autocast: `autocast` gives dw rounded to bfloat16;
-    `f32-grads` the float32 sum of the bfloat16 products, unrounded; `f32-results` also a float32 result. jaxamp's
-    own rule is back after each block."""
+    `f32-grads` the float32 sum of the bfloat16 products, unrounded; `f32-results` also a float32 result;
+    `operands-only` also an output gradient that is not rounded. jaxamp's own rule is back after each block."""
     variants = load_script("benchmarks/autocast_variants.py")
     shipped = {op: variants.autocast_rules.FIRST_ORDER_RULES[op] for op in variants.OPS}
     rng = np.random.default_rng(0)
@@ -685,24 +721,30 @@ def test_autocast_variants_round_the_gradients_and_results_they_say():
     x = jnp.asarray(rng.standard_normal((512, 64)), jnp.float32)
     f = jaxamp.autocast(lambda w, x: x @ w, jnp.bfloat16)
     xb = x.astype(jnp.bfloat16).astype(jnp.float32)
-    exact = jnp.dot(xb.T, jnp.ones((512, 16), jnp.float32), precision="highest")  # d sum(x @ w) / dw, f32 sum
+    c = jnp.asarray(rng.standard_normal((512, 16)), jnp.float32)  # the output gradient, not bfloat16-valued
+    cb = c.astype(jnp.bfloat16).astype(jnp.float32)
+    exact = jnp.dot(xb.T, cb, precision="highest")  # d sum(c * (x @ w)) / dw, c rounded to bf16, f32 sum
+    unrounded = jnp.dot(xb.T, c, precision="highest")  # c as it is
     got = {}
     for name in variants.VARIANTS:
         with variants.variant(name):
             out = f(w, x)
-            got[name] = (out.dtype, jax.grad(lambda w: jnp.sum(f(w, x).astype(jnp.float32)))(w))
+            got[name] = (out.dtype, jax.grad(lambda w: jnp.sum(f(w, x).astype(jnp.float32) * c))(w))
         assert all(variants.autocast_rules.FIRST_ORDER_RULES[op] is rule for op, rule in shipped.items())
-    assert [d for d, _ in got.values()] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
+    assert [d for d, _ in got.values()] == [jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32]
     np.testing.assert_array_equal(got["autocast"][1], exact.astype(jnp.bfloat16).astype(jnp.float32))
     for name in ("f32-grads", "f32-results"):
-        np.testing.assert_allclose(got[name][1], exact, rtol=1e-6)
+        np.testing.assert_allclose(got[name][1], exact, rtol=1e-5, atol=1e-5)
         assert not np.array_equal(got[name][1], got["autocast"][1]), name  # the rounding is gone
+    np.testing.assert_allclose(got["operands-only"][1], unrounded, rtol=1e-5, atol=1e-4)
+    assert float(jnp.max(jnp.abs(got["operands-only"][1] - exact))) > 1e-3  # c's rounding is gone too
     conv = jaxamp.autocast(lambda k, img: jax.lax.conv(img, k, (1, 1), "SAME"), jnp.bfloat16)  # NCHW, OIHW
     k, img = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((4, 3, 3, 3), (8, 3, 16, 16)))
     conv_grads = {}
     for name in variants.VARIANTS:
         with variants.variant(name):
-            assert conv(k, img).dtype == (jnp.float32 if name == "f32-results" else jnp.bfloat16), name
+            assert conv(k, img).dtype == (jnp.float32 if name in ("f32-results", "operands-only") else
+                                          jnp.bfloat16), name
             conv_grads[name] = jax.grad(lambda k: jnp.sum(conv(k, img).astype(jnp.float32)))(k)
     assert np.array_equal(conv_grads["autocast"], conv_grads["autocast"].astype(jnp.bfloat16).astype(jnp.float32))
     assert not np.array_equal(conv_grads["f32-grads"], conv_grads["f32-grads"].astype(jnp.bfloat16).astype(
@@ -711,8 +753,8 @@ def test_autocast_variants_round_the_gradients_and_results_they_say():
 
 @pytest.mark.slow
 def test_autocast_variants_tiny(tmp_path):
-    """benchmarks/autocast_variants.py on Hugging Face's GPT-2 for 2 steps: three rows, every leaf within its bound,
-    and each rule gives its own gradients (had the swap of the matmul rule done nothing, the three worst-leaf cells
+    """benchmarks/autocast_variants.py on Hugging Face's GPT-2 for 2 steps: four rows, every leaf within its bound,
+    and each rule gives its own gradients (had the swap of the matmul rule done nothing, the worst-leaf cells
     would be one: autocast 0.74% on ln_1's scale, f32-grads 0.68%, f32-results 0.74% on ln_1's bias). With the
     float32 head in every row the variants no longer move the worst leaf down (0.85% -> 0.61% with bf16 logits)."""
     pytest.importorskip("transformers")
@@ -721,6 +763,7 @@ def test_autocast_variants_tiny(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.read_text().splitlines()
             if line.startswith("| gpt2_hf |")]
-    assert [r[1] for r in rows] == ["autocast", "f32-grads", "f32-results"] and all(r[2] == "28/28" for r in rows)
+    assert [r[1] for r in rows] == ["autocast", "f32-grads", "f32-results", "operands-only"]
+    assert all(r[2] == "28/28" for r in rows), rows
     worst = {r[1]: number(r[3].split()[1]) for r in rows}
-    assert len({r[3] for r in rows}) == 3 and max(worst.values()) < 1.0, rows  # 1%: every leaf near float32
+    assert len({r[3] for r in rows[:3]}) == 3 and max(worst.values()) < 1.0, rows  # 1%: every leaf near float32
