@@ -91,16 +91,18 @@ class Runner:
                 return jnnx.precision_audit(self.trial.model, self.opt, self.batch, self.trial.loss_fn)
             return jaxamp.precision_audit(self.state, self.batch, self.trial.loss_fn)
 
-    def fidelity(self) -> dict:
-        """The fidelity report; noise floors from rounding the weights once to bfloat16 (the issue's yardstick,
-        for the float16 policy too)."""
+    def fidelity(self, seed: int = 0) -> dict:
+        """The fidelity report on the trial's batch (`seed` k > 0: `make_batch(key(1000 k))`, the first batch of
+        `losses(seed=k)`); noise floors from rounding the weights once to bfloat16 (the issue's yardstick, for the
+        float16 policy too)."""
+        batch = self.trial.make_batch(jax.random.key(1000 * seed)) if seed else self.batch
         with jax.numpy_dtype_promotion("standard"):
             if self.trial.kind == "nnx":
-                report = jnnx.fidelity_report(self.trial.model, self.opt, self.batch, self.trial.loss_fn,
+                report = jnnx.fidelity_report(self.trial.model, self.opt, batch, self.trial.loss_fn,
                                               noise_floor=jnp.bfloat16)
             else:
                 report = jax.jit(fidelity_report, static_argnames=("loss_fn", "noise_floor"))(
-                    self.state, self.batch, self.trial.loss_fn, noise_floor=jnp.dtype(jnp.bfloat16))
+                    self.state, batch, self.trial.loss_fn, noise_floor=jnp.dtype(jnp.bfloat16))
         return jax.device_get(report)
 
     def losses(self, steps: int, skip=(), seed: int = 0) -> list[float]:
@@ -188,6 +190,8 @@ def measure(name: str, steps: int, noise_samples: int, seeds: int) -> dict:
     for policy, loss_scale in POLICIES.items():
         runner = Runner(name, policy, loss_scale())
         audit, grads = runner.audit(), gradient_row(runner.fidelity())
+        grads["per_seed"] = [grads["within"], *(gradient_row(runner.fidelity(seed=k))["within"]
+                                                for k in range(1, seeds))]
         mixed = runner.losses(steps)
         gaps = [loss_gap(mixed, reference(0, runner.skipped))]
         for k in range(1, seeds):  # the same pair of runs on other draws of the data
@@ -234,12 +238,16 @@ def report(rows: dict, steps: int, argv) -> str:
                             *(f"{p}" for p in POLICIES)], table, "llrlrr")
     lines += ["", "## Gradients against float32", ""]
     table = [[name, policy, f"{p['grads']['within']}/{p['grads']['counted']}", str(p["grads"]["near_zero"]),
-              worst_cell(p["grads"])] for name, r in rows.items() for policy, p in r["policies"].items()]
+              worst_cell(p["grads"]), seed_counts(p["grads"])]
+             for name, r in rows.items() for policy, p in r["policies"].items()]
     lines += harness.table(["model", "policy", "leaves within max(2%, 1.5x floor)", "near-zero leaves",
-                            "worst leaf (error / its noise floor)"], table, "llrrl")
+                            "worst leaf (error / its noise floor)", "leaves within, per data seed"], table,
+                           "llrrlr")
     lines += ["", "The noise floor of a leaf: its float32 gradient at the weights rounded once to bfloat16, "
               "against the float32 gradient. Batches are the trials' tiny ones (4 sequences or images), so per-leaf "
-              "errors of ill-conditioned models (BatchNorm at init) are large even for float32 rounding.",
+              "errors of ill-conditioned models (BatchNorm at init) are large even for float32 rounding. The last "
+              f"column: the same count on {n_seeds} batches (seed 0 the trial's own, seed k the first batch of data "
+              "draw k below), each with its own noise floors.",
               "", f"## {steps} steps against float32's own noise", ""]
     table = [[name, policy, skipped_cell(p), f"{p['gap']:.2e}", f"{p['noise']:.2e}", *noise_cells(p["gap"], p["noise"]),
               *spread_cells(p["gap"], r["spread"]), *seed_cells(p["seed_gaps"], p["seed_noise"])]
@@ -264,6 +272,11 @@ def report(rows: dict, steps: int, argv) -> str:
               "same), each mixed run against its float32 run: the median gap over the median noise is the "
               "one-draw ratio with both sides drawn alike."]
     return "\n".join(lines) + "\n"
+
+
+def seed_counts(grads: dict) -> str:
+    """The leaves within their bound on each data seed's batch, e.g. "26 14 16"."""
+    return " ".join(map(str, grads.get("per_seed", []))) or "-"
 
 
 def skipped_cell(p: dict) -> str:

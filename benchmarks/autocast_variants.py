@@ -130,7 +130,7 @@ def variant(name: str):
         jax.clear_caches()
 
 
-def measure(name: str, steps: int) -> dict:
+def measure(name: str, steps: int, seeds: int) -> dict:
     fp32 = Runner(name, "fp32", jaxamp.NoOpLossScale()).losses(steps)
     noise = Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16).losses(steps)
     floor = loss_gap(noise, fp32)
@@ -139,8 +139,11 @@ def measure(name: str, steps: int) -> dict:
         with variant(v):
             runner = Runner(name, POLICY, jaxamp.NoOpLossScale())
             fidelity = runner.fidelity()
+            per_seed = [gradient_row(fidelity)["within"],
+                        *(gradient_row(runner.fidelity(seed=k))["within"] for k in range(1, seeds))]
             gap = loss_gap(runner.losses(steps), fp32)
-        rows[v] = {"grads": gradient_row(fidelity), "gap": gap, "noise": floor, "leaves": leaf_errors(fidelity)}
+        rows[v] = {"grads": gradient_row(fidelity), "gap": gap, "noise": floor, "leaves": leaf_errors(fidelity),
+                   "per_seed": per_seed}
     return rows
 
 
@@ -170,17 +173,19 @@ def report(rows: dict, steps: int, argv) -> str:
     for name, variants in rows.items():
         for v, p in variants.items():
             g = p["grads"]
-            table.append([name, v, f"{g['within']}/{g['counted']}", worst_cell(g), f"{p['gap']:.2e}",
-                          f"{p['noise']:.2e}", *noise_cells(p["gap"], p["noise"])])
-    lines += harness.table(["model", "matmul rule", "leaves within max(2%, 1.5x floor)",
+            table.append([name, v, f"{g['within']}/{g['counted']}", " ".join(map(str, p["per_seed"])),
+                          worst_cell(g), f"{p['gap']:.2e}", f"{p['noise']:.2e}", *noise_cells(p["gap"], p["noise"])])
+    lines += harness.table(["model", "matmul rule", "leaves within max(2%, 1.5x floor)", "per data seed",
                             "worst leaf (error / its noise floor)", "loss gap to fp32 (mean abs)", "fp32's own noise",
-                            "ratio", "within noise (<= 1.5)"], table, "llrlrrrl")
+                            "ratio", "within noise (<= 1.5)"], table, "llrrlrrrl")
     lines += ["", "`autocast`: jaxamp's rule (bfloat16 results and gradients); `f32-grads`: the gradients of operands "
               "narrowed from float32 out of their GEMMs in float32; `f32-results`: also the matmul results in "
               "float32; `operands-only`: only the forward GEMMs' operands rounded to bfloat16, everything else "
               "float32 (the backward GEMMs too, on the same rounded operands): the least rounding any scheme that "
               "runs the matmuls and convolutions on bfloat16 operands can do. Yardsticks as in autocast_models.md "
-              "(fp32's own noise: float32 from the weights rounded once to bfloat16).", "",
+              "(fp32's own noise: float32 from the weights rounded once to bfloat16). Per data seed: the leaves within "
+              "on the first batch of each of autocast_models.py's data draws (seed 0: the trial's own batch), each "
+              "with its own noise floors.", "",
               "The leaves outside their bound (max(2%, 1.5x floor)) under `autocast`, and their error under each "
               "rule:", "", *(outside_lines(rows) or ["- none"])]
     return "\n".join(lines) + "\n"
@@ -190,10 +195,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", nargs="*", default=TRIAL_NAMES, choices=TRIAL_NAMES)
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (default: %(default)s)")
+    parser.add_argument("--seeds", type=int, default=5,
+                        help="batches the per-leaf count is also taken on, the trial's own first (default: "
+                             "%(default)s)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     harness.check_output(parser, "--out", args.out)
-    rows = each_trial(args.trials, lambda name: measure(name, args.steps))
+    rows = each_trial(args.trials, lambda name: measure(name, args.steps, args.seeds))
     harness.write_report(args.out, report(rows, args.steps, argv if argv is not None else sys.argv[1:]))
     return 0
 

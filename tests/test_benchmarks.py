@@ -587,6 +587,7 @@ def test_autocast_models_tiny(tmp_path):
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
             if line.startswith("| gpt2_hf | bf16;autocast |")]
     assert len(rows) == 2 and rows[0][2] == "28/28", rows  # the gradient table, then the steps table
+    assert rows[0][5].split()[0] == "28" and len(rows[0][5].split()) == 2, rows  # per data seed
     cells = rows[1]
     assert cells[2] == "0", cells  # bf16 with no loss scale skips nothing
     spread = [number(x) for x in cells[7].split("/")]
@@ -759,11 +760,12 @@ def test_autocast_variants_tiny(tmp_path):
     float32 head in every row the variants no longer move the worst leaf down (0.85% -> 0.61% with bf16 logits)."""
     pytest.importorskip("transformers")
     out = tmp_path / "variants.md"
-    proc = run_script("benchmarks/autocast_variants.py", "--trials", "gpt2_hf", "--steps", "2", "--out", str(out))
+    proc = run_script("benchmarks/autocast_variants.py", "--trials", "gpt2_hf", "--steps", "2", "--seeds", "2",
+                      "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.read_text().splitlines()
             if line.startswith("| gpt2_hf |")]
     assert [r[1] for r in rows] == ["autocast", "f32-grads", "f32-results", "operands-only"]
-    assert all(r[2] == "28/28" for r in rows), rows
-    worst = {r[1]: number(r[3].split()[1]) for r in rows}
-    assert len({r[3] for r in rows[:3]}) == 3 and max(worst.values()) < 1.0, rows  # 1%: every leaf near float32
+    assert all(r[2] == "28/28" and r[3].split()[0] == "28" and len(r[3].split()) == 2 for r in rows), rows
+    worst = {r[1]: number(r[4].split()[1]) for r in rows}
+    assert len({r[4] for r in rows[:3]}) == 3 and max(worst.values()) < 1.0, rows  # 1%: every leaf near float32
