@@ -122,6 +122,7 @@ API deprecated in jax 0.10.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import re
 from collections.abc import Callable, Sequence
@@ -343,7 +344,7 @@ def _param_path(path) -> str | None:
 
 
 def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: Sequence | None = None,
-              arg_names: Sequence | None = None, traceback=None, fallback_traceback=None) -> list:
+              arg_names: Sequence | None = None, traceback=None) -> list:
     """Evaluates an open `jaxpr` on `consts` and `args` (any dtypes), re-binding each equation under `mode`.
 
     Each equation is bound inside its own source info (traceback and name stack) and equation context, as
@@ -352,9 +353,9 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
     (optional, per arg) are the param paths of args (see `_param_path`), tracked through casts, reshapes and
     transposes, into nested jits, scan, while and cond bodies, remat and custom_jvp; a matmul with a named operand
     is bound in a `WEIGHT_SCOPE` name scope (rhs first, then lhs). `traceback` (optional) replaces every
-    equation's own traceback; `fallback_traceback` (optional) replaces those of the equations whose own traceback
-    holds no frame outside JAX (the body of a library function that JAX jitted, such as `jnp.take`: its traceback
-    ends at the jitted function).
+    equation's own traceback. An equation whose own traceback holds no frame outside JAX (in the body of a function
+    that JAX jitted, such as `jnp.take`, or a `custom_jvp` such as `jax.nn.relu`: that traceback ends at the jitted
+    function) takes the traceback of the equation whose rule interprets this jaxpr, at any depth of nesting.
 
     Returns:
       The jaxpr's outputs (float32_reference mode: low-precision floating ones widened to float32).
@@ -380,8 +381,8 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
         rule, extra = _rule(eqn, mode), {}
         if rule in _NAMED_RULES and any(names):
             extra = {"names": names}
-        own = traceback or _traceback(eqn, fallback_traceback)
-        with source_info_util.user_context(own, name_stack=name_stack), \
+        own = traceback or _traceback(eqn, _ENCLOSING.get())
+        with _enclosing(own), source_info_util.user_context(own, name_stack=name_stack), \
                 _eqn_context(eqn), \
                 _weight_scope(eqn, names):
             outs = rules.check_outputs(eqn, rule(eqn, vals, mode, bounds, **extra), mode)
@@ -394,6 +395,19 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
             named[eqn.outvars[0]] = names[0]
     outs = [read(v) for v in jaxpr.outvars]
     return [cast(x, rules.F32) if mode.reference and rules.is_low_float(dtype_of(x)) else x for x in outs]
+
+
+_ENCLOSING = contextvars.ContextVar("jaxamp_autocast_enclosing_traceback", default=None)
+
+
+@contextlib.contextmanager
+def _enclosing(traceback):
+    """`traceback` as the one the equations of a sub-jaxpr interpreted inside fall back to (`_traceback`)."""
+    token = _ENCLOSING.set(traceback)
+    try:
+        yield
+    finally:
+        _ENCLOSING.reset(token)
 
 
 def _traceback(eqn, fallback):
@@ -446,11 +460,10 @@ def _jit_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     vals = _constrain(vals, params.get("in_shardings"))
     closed = params["jaxpr"]
     # A jit's body is traced with tracebacks that end at the jitted function; jaxamp.attention's (library code)
-    # takes its call's instead, and so does an equation with no frame outside JAX (`jnp.take`'s gather, the scatter
-    # of its gradient), so the audit finds the user's line that called it.
+    # takes its call's instead (so the audit finds the user's line that called it), as `interpret` gives an equation
+    # with no frame outside JAX (`jnp.take`'s gather, the scatter of its gradient) its caller's.
     traceback = eqn.source_info.traceback if params.get("name") in ATTENTION_JIT_NAMES else None
-    outs = interpret(closed.jaxpr, closed.consts, vals, mode, bounds, names, traceback=traceback,
-                     fallback_traceback=source_info_util.current().traceback)
+    outs = interpret(closed.jaxpr, closed.consts, vals, mode, bounds, names, traceback=traceback)
     return _constrain(outs, params.get("out_shardings"))
 
 

@@ -346,6 +346,33 @@ def test_a_half_lookup_through_a_jitted_jnp_function_names_the_users_line(policy
     assert sums[0]["source"] == f"test_audit.py:{line}", sums
 
 
+def test_every_op_autocast_rewrites_keeps_a_users_line_inside_jitted_and_custom_jvp_library_code():
+    """Under autocast (and its gradient) no equation lacks a frame outside JAX, at any depth: `jnp.take` and
+    `jnp.searchsorted` (nested jits, one with a scan inside), `jax.nn.relu` (a custom_jvp), a remat around a
+    lookup. Only a scatter's scalar update computation (not an op of the program) has none."""
+    from jax.extend import source_info_util
+
+    def unattributed(jaxpr, path=""):
+        out = []
+        for eqn in jaxpr.eqns:
+            where = f"{path}/{eqn.primitive.name}"
+            if not source_info_util.summarize(eqn.source_info):
+                out.append(where)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                out += unattributed(sub, where)
+        return out
+
+    def loss(w, x, i):
+        h = jax.nn.relu(x @ w)
+        h = jax.nn.gelu(h) + jnp.take(h, i, axis=0).sum()
+        h = jax.checkpoint(lambda h: jnp.cumsum(jnp.take(h, i, axis=1), axis=0))(h)
+        return jnp.sum(h) + jnp.searchsorted(jnp.arange(8.0), x[0, :3]).sum().astype(jnp.float32)
+
+    w, x, i = jnp.ones((8, 8)), jnp.ones((4, 8)), jnp.array([1, 2])
+    program = jax.make_jaxpr(jaxamp.autocast(jax.grad(loss), jnp.bfloat16))(w, x, i).jaxpr
+    assert sorted(unattributed(program)) == ["/remat2/scatter-add/add", "/scatter-add/add"]
+
+
 @pytest.mark.parametrize("policy", ["bf16", "bf16;autocast"])
 def test_rows_inside_jaxamp_attention_name_the_users_line_that_called_it(policy):
     """`jaxamp.attention.dot_product_attention` is a nested jit, whose body JAX traces with tracebacks that end at
