@@ -21,7 +21,9 @@ swaps the rule of `dot_general` and `conv_general_dilated`:
   bfloat16);
 - `operands-only`: only the forward GEMMs' operands rounded to bfloat16; the output gradient stays float32, so the
   backward GEMMs see only the forward's rounded operands: the least rounding any scheme that runs the matmuls and
-  convolutions on bfloat16 operands can do, a floor for what a leaf's gradient error can be under autocast.
+  convolutions on bfloat16 operands can do (an amount of rounding, not a scheme a bfloat16 backward GEMM can run,
+  as its output gradient would be rounded too). On ill-conditioned tiny batches a leaf's error is not monotone in
+  the rounding, so it is not a floor leaf by leaf.
 
 The output head keeps the shipped rule in every row (`float32_results`: float32 logits, bfloat16 backward GEMMs), so
 the rows differ only in the other matmuls. The variants are numerics only: their backward computes the
@@ -182,7 +184,9 @@ def report(rows: dict, steps: int, argv) -> str:
               "narrowed from float32 out of their GEMMs in float32; `f32-results`: also the matmul results in "
               "float32; `operands-only`: only the forward GEMMs' operands rounded to bfloat16, everything else "
               "float32 (the backward GEMMs too, on the same rounded operands): the least rounding any scheme that "
-              "runs the matmuls and convolutions on bfloat16 operands can do. Yardsticks as in autocast_models.md "
+              "runs the matmuls and convolutions on bfloat16 operands can do (an amount of rounding, not a scheme a "
+              "bfloat16 backward GEMM can run; per leaf on these tiny batches not a floor: a leaf's error is not "
+              "monotone in the rounding). Yardsticks as in autocast_models.md "
               "(fp32's own noise: float32 from the weights rounded once to bfloat16). Per data seed: the leaves within "
               "on the first batch of each of autocast_models.py's data draws (seed 0: the trial's own batch), each "
               "with its own noise floors.", "",

@@ -594,8 +594,9 @@ def test_autocast_models_tiny(tmp_path):
     assert len(spread) == 3 and spread[0] == spread[1] == spread[2] > 0, cells
     assert abs(number(cells[8]) - number(cells[3]) / spread[1]) < 0.01 + 0.01 * number(cells[8]), cells
     per_seed = [number(x) for x in cells[10].split()]
-    assert len(per_seed) == 2 and per_seed[0] == number(cells[5]) and per_seed[1] > 0, cells
-    assert number(cells[11]) > 0 and cells[12] in ("yes", "no"), cells
+    assert len(per_seed) == 2 and abs(per_seed[0] - number(cells[5])) < 0.006 and per_seed[1] > 0, cells
+    assert abs(number(cells[11]) - sum(per_seed) / 2) < 0.006, cells  # the median of two: their mean
+    assert cells[12] == ("yes" if number(cells[11]) <= 1.5 else "no") and number(cells[13]) > 0, cells
 
 
 @pytest.mark.slow
@@ -618,7 +619,8 @@ def test_autocast_models_float32_run_skips_the_steps_it_is_told(trial):
         if runner.trial.kind == "nnx":
             from flax import nnx
 
-            return losses, jax.tree.map(np.asarray, (nnx.state(runner.trial.model, nnx.Param), nnx.state(runner.opt)))
+            return losses, jax.tree.map(np.asarray, (nnx.state(runner.trial.model, nnx.Param),
+                                                     nnx.state(runner.opt)["opt_state"]))
         return losses, jax.tree.map(np.asarray, (runner.state.params, runner.state.opt_state))
 
     (one, tree_one), (two, tree_two), (free, tree_free) = after(1), after(2, skip={1}), after(2)
