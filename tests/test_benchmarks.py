@@ -630,6 +630,38 @@ def test_autocast_models_float32_run_skips_the_steps_it_is_told(trial):
     assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(tree_one), jax.tree.leaves(tree_free)))
 
 
+def test_autocast_models_pairs_each_mixed_run_with_the_float32_run_on_its_data_that_skips_its_steps(monkeypatch):
+    """`measure` with runs whose losses encode (policy, rounded, data seed, skipped steps): each mixed run of a data
+    seed is set against the float32 run of the same seed that skips what it skipped, the noise against that seed's
+    float32 run, and the raw gap against float32 skipping nothing."""
+    import benchmarks.autocast_models as am
+
+    class Fake:
+        def __init__(self, name, policy, loss_scale, rounded_to=None, rounding_key=None):
+            self.policy, self.rounded = policy, rounded_to is not None
+
+        def audit(self):
+            return "audit"
+
+        def fidelity(self, seed=0):
+            return {"rel_err": {"w": 0.01}, "noise_floor": {"w": 0.01}, "near_zero": {"w": False}}
+
+        def losses(self, steps, skip=(), seed=0):
+            self.skipped = [1] if self.policy.startswith("fp16") and seed == 1 else []
+            base = {"fp32": 0.0, "bf16;autocast": 0.5, "fp16;autocast": 0.25}[self.policy]
+            return [10 * seed + base + 0.125 * self.rounded + (i in skip) + 2 * (i in self.skipped)
+                    for i in range(steps)]
+
+    monkeypatch.setattr(am, "Runner", Fake)
+    monkeypatch.setattr(am, "TRIALS", {"t": lambda: type("T", (), {"kind": "linen"})()})
+    row = am.measure("t", steps=4, noise_samples=0, seeds=2)
+    assert row["policies"]["bf16;autocast"]["seed_gaps"] == [0.5, 0.5]
+    assert row["policies"]["bf16;autocast"]["seed_noise"] == [0.125, 0.125]
+    # fp16 skips step 1 on seed 1: the float32 run it is set against skips it too (1 + 2 - 1 at step 1)
+    assert row["policies"]["fp16;autocast"]["seed_gaps"] == [0.25, (0.25 * 3 + 1.25) / 4]
+    assert row["policies"]["fp16;autocast"]["raw_gap"] == 0.25 and row["policies"]["fp16;autocast"]["skipped"] == []
+
+
 @pytest.mark.slow
 def test_fp8_models_tiny(tmp_path):
     """benchmarks/fp8_models.py on Hugging Face's GPT-2 for one step: its weight matmuls in FP8 but lm_head, which
