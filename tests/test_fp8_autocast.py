@@ -115,17 +115,21 @@ class Named(nn.Module):
         return nn.Dense(4, name="lm_head")(x)
 
 
-def test_the_default_exclusions_match_whole_head_names_and_the_audit_says_which_pattern_kept_a_matmul_out():
-    net = Named()
+def audit_classifier(net: nn.Module, policy: str):
+    """The precision audit of one step of `net` (a linen classifier on `make_batch`'s x: f32[.., 32]) under `policy`."""
     params = net.init(jax.random.key(0), jnp.ones((2, 32)))["params"]
 
-    def named_loss(p, batch, rng):
+    def loss(p, batch, rng):
         return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, batch["x"]), batch["y"]).mean()
 
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(1))
+    return precision_audit(state, make_batch(0), loss)
+
+
+def test_the_default_exclusions_match_whole_head_names_and_the_audit_says_which_pattern_kept_a_matmul_out():
     def forward(policy):
-        state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(),
-                                  rng=jax.random.key(1))
-        report = precision_audit(state, make_batch(0), named_loss)
+        report = audit_classifier(Named(), policy)
         return report, {r["scope"]: (r["lhs"], r.get("fp8_excluded_by", "absent"))
                         for r in report.rows if r["pass"] == "forward"}
 
@@ -163,17 +167,9 @@ class Classify(nn.Module):
 
 
 def test_a_classifier_head_is_kept_out_of_fp8_and_writes_float32_logits_by_default():
-    net = Classify()
-    params = net.init(jax.random.key(0), jnp.ones((2, 32)))["params"]
-
-    def loss(p, batch, rng):
-        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, batch["x"]), batch["y"]).mean()
-
     def forward(policy):
-        state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(),
-                                  rng=jax.random.key(1))
         return {r["scope"]: (r["lhs"], r["out"], r.get("fp8_excluded_by"))
-                for r in precision_audit(state, make_batch(0), loss).rows if r["pass"] == "forward"}
+                for r in audit_classifier(Classify(), policy).rows if r["pass"] == "forward"}
 
     assert forward("fp8-current") == {"Classify/classifier_proj": ("float8_e4m3fn", "float32", None),  # then scaled
                                       "Classify/classifier": ("bfloat16", "float32", r"(^|\.)classifier$")}
