@@ -40,7 +40,7 @@ from jaxamp.autocast_rules import exclusion_names, weight_path
 from jaxamp.autocasting import FLOAT32_RESULTS
 from jaxamp.fp8_recipes import FP8_EXCLUDE, FP8_SCOPE
 from jaxamp.gradients import gradients
-from jaxamp.precision import fp8_recipe, policy_name, uses_autocast
+from jaxamp.precision import fp8_recipe, policy_name, uses_autocast, uses_fp8
 
 PyTree = Any
 
@@ -50,6 +50,9 @@ __all__ = ["ABSORB_LIMIT", "PrecisionReport", "PrecisionWarning", "audit_jaxpr",
 # `scaled_matmul_wrapper`: `jax.nn.scaled_dot_general`'s block-scaled GEMM (`fp8[b, m, k] . fp8[b, n, k]` with e8m0
 # scales), which the mxfp8 recipe calls on Blackwell GPUs.
 _MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general", "scaled_matmul_wrapper", "scaled_matmul")
+# The ops between an FP8 value and the matmul that takes it dequantized (`convert(f8) * scale`, reshaped).
+_DEQUANTIZE_OPS = ("convert_element_type", "mul", "div", "broadcast_in_dim", "reshape", "transpose", "squeeze",
+                   "copy", "copy_p")
 _SUMS = ("reduce_sum", "cumsum", "cumlogsumexp", "cumprod", "reduce_prod")
 _SCATTER_ADDS = ("scatter-add", "scatter_add")
 # Contributions a running sum in the format absorbs before the next ones round away (about 2^mantissa bits).
@@ -245,7 +248,7 @@ class _Walk:
         return source, library, " < ".join(c for c in callers if c)
 
     def _matmul(self, eqn, trips, compute_half) -> None:
-        lhs, rhs = _fp8_formats(eqn) or (_dtype(eqn.invars[0]), _dtype(eqn.invars[1]))
+        lhs, rhs = _fp8_formats(eqn) or self._dequantized(eqn) or (_dtype(eqn.invars[0]), _dtype(eqn.invars[1]))
         source, library, callers = self.where(eqn)
         names = [*self.prefix, *_names(eqn)]
         row = {"source": source, "library": library, "primitive": eqn.primitive.name, "lhs": lhs, "rhs": rhs,
@@ -259,6 +262,32 @@ class _Walk:
         if compute_half and not (_is_half(lhs) and _is_half(rhs)):
             if self.first_fallback is None:
                 self.first_fallback = (row, eqn)
+
+    def _dequantized(self, eqn) -> tuple[str, str] | None:
+        """The FP8 formats of a matmul on two dequantized FP8 operands (`convert(f8) * scale`: Flax's
+        quantize-dequantize ops, `Fp8DotGeneralOp` and AMD's `NANOOFp8DotGeneralOp`, which XLA on a GPU rewrites
+        into one FP8 GEMM), or None."""
+        formats = tuple(self._fp8_origin(v, 8) for v in eqn.invars[:2])
+        return formats if all(formats) else None
+
+    def _fp8_origin(self, var, depth: int) -> str | None:
+        """The float8 dtype `var` was converted from, through scales (mul, div), broadcasts, reshapes, transposes,
+        other converts and call boundaries, at most `depth` ops back; or None."""
+        if depth == 0 or not _is_var(var):
+            return None
+        step = self._through_calls(var)
+        if step is not None:
+            return self._fp8_origin(step, depth - 1)
+        maker = self.producer.get(id(var))
+        if maker is None or maker.primitive.name not in _DEQUANTIZE_OPS:
+            return None
+        if maker.primitive.name == "convert_element_type" and _dtype(maker.invars[0]).startswith("float8"):
+            return _dtype(maker.invars[0])
+        for v in maker.invars:
+            found = self._fp8_origin(v, depth - 1)
+            if found:
+                return found
+        return None
 
     def _sum(self, eqn) -> None:
         size = _summed(eqn)
@@ -362,6 +391,8 @@ class PrecisionReport:
       fp8_exclude: the policy's `fp8_exclude` patterns under a stateless FP8 recipe, else ().
       autocast: whether the policy runs the loss under `jaxamp.autocast` (what the warning then advises).
       float32_results: under autocast, the policy's `float32_results` patterns, else ().
+      fp8: whether the policy asks for FP8 matmuls (delayed `fp8` or a stateless recipe): the summary then always
+        gives the FP8 share, and the warning fires when it is 0.
     """
 
     policy: str
@@ -373,6 +404,7 @@ class PrecisionReport:
     fp8_exclude: tuple = ()
     autocast: bool = False
     float32_results: tuple = ()
+    fp8: bool = False
 
     @property
     def fp8_unused_exclusions(self) -> tuple[str, ...]:
@@ -396,8 +428,8 @@ class PrecisionReport:
 
     @property
     def fp8_fraction(self) -> float:
-        """Share of the matmul FLOPs whose operands are both FP8 (`jaxamp.fp8_recipes` matmuls and Flax's FP8 ops
-        on FP8 operands); 0.0 when the step has no matmul."""
+        """Share of the matmul FLOPs whose operands are both FP8 (`jaxamp.fp8_recipes` matmuls, Flax's FP8 ops on
+        FP8 operands and on dequantized ones, `convert(f8) * scale`); 0.0 when the step has no matmul."""
         total = sum(r["flops"] for r in self.rows)
         fp8 = sum(r["flops"] for r in self.rows if r["lhs"].startswith("float8") and r["rhs"].startswith("float8"))
         return fp8 / total if total else 0.0
@@ -408,8 +440,10 @@ class PrecisionReport:
         total = sum(r["flops"] for r in self.rows)
         text = (f"precision audit ({self.policy}): {100 * self.half_fraction:.1f}% of {_flops_text(total)} of "
                 f"matmuls in half precision")
-        if self.fp8_fraction:
+        if self.fp8_fraction or self.fp8:
             text += f" ({100 * self.fp8_fraction:.1f}% in FP8)"
+        if self.fp8 and not self.fp8_fraction:
+            text += f"; {_NO_FP8}"
         excluded = [r for r in self.rows if r.get("fp8_excluded_by") and r["pass"] == "forward"]
         if excluded:
             names = list(dict.fromkeys(r["fp8_excluded_name"] for r in excluded))
@@ -475,6 +509,10 @@ class PrecisionReport:
         return "\n".join(lines)
 
 
+_NO_FP8 = ("the policy asks for FP8 but no matmul ran in FP8 (FP8 covers weight matmuls, dot_general: convolutions "
+           "and activation x activation matmuls stay in the compute dtype; fp8_exclude keeps the output head out)")
+
+
 def _flops_text(flops: float) -> str:
     """`"5,107.0 GFLOP"`, `"12.6 MFLOP"`: FLOPs per step in the unit that reads best."""
     return f"{flops / 1e9:,.1f} GFLOP" if flops >= 1e9 else f"{flops / 1e6:,.1f} MFLOP"
@@ -504,7 +542,7 @@ def _columns(header: tuple, rows: list) -> str:
 
 
 def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, autocast: bool = False,
-                float32_results=None) -> PrecisionReport:
+                float32_results=None, fp8: bool = False) -> PrecisionReport:
     """The report of a traced step (`jax.make_jaxpr` of its gradient computation).
 
     Args:
@@ -516,6 +554,7 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
       autocast: whether the policy runs the loss under `jaxamp.autocast` (recorded in the report).
       float32_results: under autocast, the policy's `float32_results` patterns (each half-precision matmul with a
         float32 result then says which one made it so); None otherwise.
+      fp8: whether the policy asks for FP8 matmuls (recorded in the report).
 
     Returns:
       A `PrecisionReport`.
@@ -539,7 +578,8 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
                            half_accumulations=tuple(walk.sums),
                            fp8_exclude=tuple(fp8_exclude) if fp8_exclude is not None else (),
                            autocast=autocast,
-                           float32_results=tuple(float32_results) if float32_results is not None else ())
+                           float32_results=tuple(float32_results) if float32_results is not None else (),
+                           fp8=fp8)
 
 
 def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
@@ -574,6 +614,11 @@ def _float32_results(policy):
     return tuple(getattr(policy, "float32_results", FLOAT32_RESULTS)) if uses_autocast(policy) else None
 
 
+def _asks_fp8(policy) -> bool:
+    """Whether `policy` asks for FP8 matmuls: delayed scaling (`fp8`) or a stateless recipe (`fp8-current`, ...)."""
+    return uses_fp8(policy) or fp8_recipe(policy) is not None
+
+
 def _fp8_exclude(policy):
     """The policy's `fp8_exclude` patterns under a stateless FP8 recipe, else None."""
     return tuple(getattr(policy, "fp8_exclude", FP8_EXCLUDE)) if fp8_recipe(policy) else None
@@ -581,8 +626,8 @@ def _fp8_exclude(policy):
 
 def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: str = "train_step") -> bool:
     """One `PrecisionWarning` when a half-precision step runs under `threshold` of its matmul FLOPs in half
-    precision, sums in half precision past the format's limit, or has `fp8_exclude` patterns the user gave that
-    match no matmul; returns whether it warned."""
+    precision, sums in half precision past the format's limit, asks for FP8 and runs no matmul in FP8, or has
+    `fp8_exclude` patterns the user gave that match no matmul; returns whether it warned."""
     if not _is_half(report.compute_dtype):
         return False
     problems = []
@@ -596,6 +641,8 @@ def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: 
         problems.append(f"{len(report.half_accumulations)} sums in half precision add more values than "
                         f"{report.compute_dtype} absorbs (largest: {worst['size']:,} values in {worst['dtype']} at "
                         f"{worst['source']})")
+    if report.fp8 and not report.fp8_fraction:
+        problems.append(_NO_FP8)
     if report.fp8_unused_added:
         problems.append(f"the fp8_exclude patterns {', '.join(report.fp8_unused_added)} match no matmul (a typo? "
                         "each is searched in the names on a matmul's name stack, its weight's param path and "
@@ -629,7 +676,9 @@ def precision_audit(state, batch: PyTree, loss_fn, *, accum_steps: int = 1, carr
       batch: a batch as `train_step` takes it (arrays or `jax.ShapeDtypeStruct`s: nothing is computed).
       loss_fn: as for `train_step`.
       accum_steps: micro-batches, as for `train_step` (a `scan` body's FLOPs count `accum_steps` times).
-      carry: a stateful loss's state (`jaxamp.nnx`), as for `jaxamp.step.train_step_with_carry`.
+      carry: a stateful loss's state, as for `jaxamp.step.train_step_with_carry`. None = the state's `model_state`
+        (BatchNorm statistics, which `train_step` hands the loss as its fourth argument), or none when the state has
+        none.
 
     Returns:
       A `PrecisionReport`; `str(report)` is a table, `report.summary()` one line.
@@ -639,10 +688,11 @@ def precision_audit(state, batch: PyTree, loss_fn, *, accum_steps: int = 1, carr
         rng = jax.random.fold_in(state.rng, state.step)
         return gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, False, carry).grads
 
+    carry = getattr(state, "model_state", None) if carry is None else carry
     closed = jax.make_jaxpr(grads)(state, batch, carry)
     return audit_jaxpr(closed, policy=policy_name(state.policy), compute_dtype=state.policy.compute_dtype,
                        fp8_exclude=_fp8_exclude(state.policy), autocast=uses_autocast(state.policy),
-                       float32_results=_float32_results(state.policy))
+                       float32_results=_float32_results(state.policy), fp8=_asks_fp8(state.policy))
 
 
 def check_program(closed_jaxpr, policy, *, where: str) -> None:
@@ -651,5 +701,5 @@ def check_program(closed_jaxpr, policy, *, where: str) -> None:
     if _is_half(policy.compute_dtype):
         report = audit_jaxpr(closed_jaxpr, policy=policy_name(policy), compute_dtype=policy.compute_dtype,
                              fp8_exclude=_fp8_exclude(policy), autocast=uses_autocast(policy),
-                             float32_results=_float32_results(policy))
+                             float32_results=_float32_results(policy), fp8=_asks_fp8(policy))
         warn_if_degraded(report, where=where)

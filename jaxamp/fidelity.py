@@ -33,7 +33,8 @@ _F32 = jmp.Policy(jnp.float32, jnp.float32, jnp.float32)
 
 
 def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_steps: int = 1,
-                  reference_loss_fn: LossFn | None = None, axis_name: Any = None) -> dict[str, jax.Array]:
+                  reference_loss_fn: LossFn | None = None, axis_name: Any = None,
+                  carry: PyTree = None) -> dict[str, jax.Array]:
     """Relative L2 error of each trainable leaf's mixed-precision gradient against a float32 recomputation.
 
     Both gradients are unscaled float32 (the reference's matmuls at full float32 precision, `"highest"`: not TF32
@@ -56,6 +57,9 @@ def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
       axis_name: inside `jax.pmap` or `shard_map`, the mapped axis: both gradients are averaged over it first (as
         `train_step(..., axis_name=...)` averages them), so every device reports the errors of the gradients the
         step applies.
+      carry: a stateful loss's state. None = the state's `model_state` (BatchNorm statistics, which `train_step`
+        hands the loss as its fourth argument), or none when the state has none. Both passes start from it; the new
+        state they return is dropped.
 
     Returns:
       `{leaf path: f32[] error}`, keys as `jaxamp.precision.leaf_path` writes them (`"h_0/mlp/c_fc/kernel"`);
@@ -64,7 +68,8 @@ def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
     Raises:
       ValueError: a bad `loss_fn` or `accum_steps` (one line, as `train_step` says).
     """
-    mixed, exact = gradient_pair(state, batch, loss_fn, accum_steps=accum_steps, reference_loss_fn=reference_loss_fn)
+    mixed, exact = gradient_pair(state, batch, loss_fn, accum_steps=accum_steps, reference_loss_fn=reference_loss_fn,
+                                 carry=carry)
     if axis_name is not None:
         mixed, exact = jax.lax.pmean((mixed, exact), axis_name)
     return errors(mixed, exact)
@@ -81,14 +86,16 @@ def gradient_pair(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
                   reference_loss_fn: LossFn | None = None, carry: PyTree = None) -> tuple[PyTree, PyTree]:
     """`(mixed, float32)`: the unscaled float32 gradients of the trainable params as `train_step` computes them, and
     the same under a float32 policy with no loss scale (same batch, params and rng; `reference_loss_fn`, if given,
-    on the params without the FP8 collection). With a `carry`, `loss_fn` is stateful as for
-    `jaxamp.step.train_step_with_carry` (`jaxamp.nnx`'s RNG counts and statistics), and both passes run it through
-    the micro-batches from the same `carry`. Jit-able.
+    on the params without the FP8 collection). With a `carry` (None = the state's `model_state`, if any), `loss_fn`
+    is stateful as for `jaxamp.step.train_step_with_carry` (BatchNorm statistics, `jaxamp.nnx`'s RNG counts), and
+    both passes run it through the micro-batches from the same `carry`. Jit-able.
 
     Raises:
       ValueError: a bad `loss_fn` or `accum_steps`, as `train_step` says.
     """
-    check_options(loss_fn, accum_steps, caller="grad_fidelity")
+    carry = state.model_state if carry is None else carry
+    check_options(loss_fn, accum_steps, caller="grad_fidelity",
+                  loss_args=("params", "batch", "rng") + (() if carry is None else ("model_state",)))
     rng = jax.random.fold_in(state.rng, state.step)
     mixed = gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, False, carry).grads
     return mixed, _reference(state, batch, loss_fn, rng, accum_steps, reference_loss_fn, carry)
@@ -129,7 +136,7 @@ def fidelity_report(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_
         the float32 gradient at the weights rounded once to the compute dtype (True) or to the dtype given (e.g.
         `jnp.bfloat16` for a float16 policy too): what rounding the weights alone costs (an ill-conditioned model
         at init moves a lot from that alone). Static under jit.
-      carry: a stateful loss's state (`jaxamp.nnx`), as for `gradient_pair`.
+      carry: a stateful loss's state, as for `grad_fidelity` (None = the state's `model_state`, if any).
 
     Returns:
       A dict of dicts keyed as `grad_fidelity`'s result (`{path: value}`): `rel_err` (f32[] per leaf, as
@@ -139,6 +146,7 @@ def fidelity_report(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_
     Raises:
       ValueError: as `grad_fidelity`.
     """
+    carry = state.model_state if carry is None else carry
     mixed, exact = gradient_pair(state, batch, loss_fn, accum_steps=accum_steps,
                                  reference_loss_fn=reference_loss_fn, carry=carry)
     report = {"rel_err": errors(mixed, exact), "global_rel_err": global_errors(mixed, exact),

@@ -349,7 +349,8 @@ def test_a_half_lookup_through_a_jitted_jnp_function_names_the_users_line(policy
 def test_every_op_autocast_rewrites_keeps_a_users_line_inside_jitted_and_custom_jvp_library_code():
     """Under autocast (and its gradient) no equation lacks a frame outside JAX, at any depth: `jnp.take` and
     `jnp.searchsorted` (nested jits, one with a scan inside), `jax.nn.relu` (a custom_jvp), a remat around a
-    lookup. Only a scatter's scalar update computation (not an op of the program) has none."""
+    lookup. (A scatter's scalar update computation is not an op of the program: JAX caches it with the frames of
+    whichever trace built it first, so it is not checked.)"""
     from jax.extend import source_info_util
 
     def unattributed(jaxpr, path=""):
@@ -358,8 +359,9 @@ def test_every_op_autocast_rewrites_keeps_a_users_line_inside_jitted_and_custom_
             where = f"{path}/{eqn.primitive.name}"
             if not source_info_util.summarize(eqn.source_info):
                 out.append(where)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                out += unattributed(sub, where)
+            if not eqn.primitive.name.startswith("scatter"):  # its update computation: not an op of the program,
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):  # and JAX caches it with the first
+                    out += unattributed(sub, where)  # tracer's frames (another test's, or none)
         return out
 
     def loss(w, x, i):
@@ -370,7 +372,8 @@ def test_every_op_autocast_rewrites_keeps_a_users_line_inside_jitted_and_custom_
 
     w, x, i = jnp.ones((8, 8)), jnp.ones((4, 8)), jnp.array([1, 2])
     program = jax.make_jaxpr(jaxamp.autocast(jax.grad(loss), jnp.bfloat16))(w, x, i).jaxpr
-    assert sorted(unattributed(program)) == ["/remat2/scatter-add/add", "/scatter-add/add"]
+    assert [e.primitive.name for e in program.eqns].count("scatter-add") == 1  # (and one inside the remat)
+    assert unattributed(program) == []
 
 
 @pytest.mark.parametrize("policy", ["bf16", "bf16;autocast"])

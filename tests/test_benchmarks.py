@@ -745,6 +745,7 @@ def test_fp8_fidelity_benchmark_tiny(tmp_path, text_corpus):
         assert fp8[-1] > 3 * bf16[-1]  # e4m3/e5m2 round ~8x coarser than bf16
 
 
+@pytest.mark.slow  # 6 s on 2 cores
 def test_autocast_variants_round_the_gradients_and_results_they_say():
     """benchmarks/autocast_variants.py's rules, on x @ w under bf16 autocast: `autocast` gives dw rounded to bfloat16;
     `f32-grads` the float32 sum of the bfloat16 products, unrounded; `f32-results` also a float32 result;

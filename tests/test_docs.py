@@ -220,7 +220,9 @@ def check_autocast(lines):
 def check_loops(lines):
     assert lines[:3] == ["True 1 32768.0", "False 1 16384.0", "True 2 16384.0"], lines  # the overflow skipped
     assert lines[3].startswith("precision audit (fp16): 100.0% of ") and lines[3].endswith(" in half precision")
-    assert lines[4:] == ["True", "8 True True", "29.0", "False 3 1024.0", "True float32", "1.000 True"], lines
+    assert lines[4] == "True" and lines[5].startswith("precision audit (bf16;autocast): 100.0% of "), lines
+    assert lines[6:] == ["['Dense_0/bias']", "8 True True", "29.0", "False 3 1024.0", "True float32",
+                         "['bfloat16', 'float32']", "1.000 True", "1.000 0.000"], lines
 
 
 CHECKS = {

@@ -447,6 +447,36 @@ def test_fp8_ranges_reads_the_formats_of_flax_nanoo_op():
     assert rows["input"]["capacity"] == pytest.approx(x_amax, rel=1e-6) and rows["input"]["saturated"] == 0.0
 
 
+@pytest.mark.parametrize("op, formats", [
+    ("Fp8DotGeneralOp", ("float8_e4m3fn", "float8_e5m2")),  # quantize-dequantize: bf16 dots on convert(f8) * scale
+    ("NANOOFp8DotGeneralOp", ("float8_e4m3fnuz", "float8_e5m2fnuz")),
+    ("Fp8DirectDotGeneralOp", ("float8_e4m3fn", "float8_e5m2")),  # dots on FP8 operands
+])
+def test_the_audit_counts_flax_fp8_ops_in_fp8_and_the_step_does_not_warn(op, formats):
+    """Flax's quantize-dequantize FP8 ops run their dot on `convert(f8) * scale` (XLA on a GPU rewrites that into one
+    FP8 GEMM): the audit reads the operands' FP8 formats through the dequantization, as for the direct op."""
+    import warnings
+
+    from jaxamp import PrecisionWarning, precision_audit
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Flax deprecates the NANOO op's base class
+        net = nn.Dense(4, dot_general_cls=getattr(nn, op))
+        state = TrainState.create(params=net.init(jax.random.key(0), jnp.zeros((1, 8))), tx=optax.sgd(0.1),
+                                  policy="fp8", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+
+        def loss(params, x, rng):
+            return jnp.mean(net.apply(params, x.astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
+
+        x = jax.random.normal(jax.random.key(2), (16, 8))
+        report = precision_audit(state, x, loss)
+        warnings.simplefilter("error", PrecisionWarning)
+        STEP(state, x, loss)  # no "no matmul ran in FP8" warning
+    e4m3, e5m2 = formats
+    assert [(r["pass"], r["lhs"], r["rhs"]) for r in report.rows] == [
+        ("forward", e4m3, e4m3), ("backward", e5m2, e4m3), ("backward", e5m2, e4m3)]
+    assert report.fp8_fraction == 1.0 and "(100.0% in FP8)" in report.summary()
+
 class TwoHeads(nn.Module):
     """Two FP8 Dense heads; the loss calls `a`, and `b` only when `use_b` (a layer the loss may leave out)."""
 

@@ -359,6 +359,43 @@ def test_an_exclusion_that_matches_nothing_warns_once_per_compilation_and_rows_n
     assert all(r["callers"].endswith("named_loss") for r in rows if r["pass"] == "forward")
 
 
+class ConvNet(nn.Module):
+    """A convolution and a `classifier` head (Hugging Face's image models): nothing an FP8 recipe quantizes."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        return nn.Dense(4, name="classifier")(jnp.mean(x, axis=(1, 2)))
+
+
+@pytest.mark.parametrize("spec", ["fp8-current", "fp8-block"])
+def test_an_fp8_policy_that_runs_no_matmul_in_fp8_says_so_and_warns_once(spec):
+    net = ConvNet()
+    params = net.init(jax.random.key(0), jnp.ones((2, 8, 8, 3)))["params"]
+
+    def conv_loss(p, batch, rng):
+        logits = net.apply({"params": p}, batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    def batch(i):
+        return {"x": jax.random.normal(jax.random.key(i), (4, 8, 8, 3)), "y": jnp.arange(4) % 4}
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=spec, loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(1))
+    report = precision_audit(state, batch(0), conv_loss)
+    assert report.fp8 and report.half_fraction == 1.0 and report.fp8_fraction == 0.0
+    assert "(0.0% in FP8); the policy asks for FP8 but no matmul ran in FP8" in report.summary()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            state, _ = STEP(state, batch(i), conv_loss)
+    found = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+    assert len(found) == 1 and "asks for FP8 but no matmul ran in FP8 (FP8 covers weight matmuls" in found[0], found
+    # the same model under bf16 autocast: no FP8 asked, none reported, no warning
+    bf16 = state.replace(policy=get_policy("bf16", autocast=True))
+    assert not precision_audit(bf16, batch(0), conv_loss).fp8
+    assert "in FP8" not in precision_audit(bf16, batch(0), conv_loss).summary()
+
 def test_equinox_attention_is_not_excluded_by_the_default_head_pattern():
     """Equinox puts its classes on the name stack ("eqx.nn.MultiheadAttention"): a substring "head" matched it."""
     eqx = pytest.importorskip("equinox")

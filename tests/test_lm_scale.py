@@ -112,6 +112,7 @@ def test_gpt2_xl_preset_has_gpt2_xls_shape_and_parameter_count():
     assert round((counts[True][1] - (50304 - 50257) * 1600) / 1e6, 2) == 1555.97
 
 
+@pytest.mark.slow  # 4-6 s each on 2 cores
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_dry_run_prints_sizes_and_compiled_memory_and_writes_nothing(tmp_path, capsys, scan):
     """--dry-run: the header, the audit and one line of FLOPs and memory from the step compiled on shapes only; the

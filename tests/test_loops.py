@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import jaxamp
-from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, WeightedLoss, train_step
+from jaxamp import DynamicLossScale, NoOpLossScale, TrainState, WeightedLoss, fidelity, train_step
 
 REPO = Path(__file__).resolve().parents[1]
 STEP = jax.jit(train_step, static_argnames=("loss_fn", "accum_steps", "on_overflow"))
@@ -128,6 +128,32 @@ def test_a_stateful_loss_that_returns_only_the_loss_is_refused_naming_the_fix():
                                             r"shape \(\)\. Return the state too"):
             call()
 
+
+
+@pytest.mark.slow  # 6 s: three traces of two gradients
+def test_the_audit_and_the_fidelity_check_take_the_model_state_as_train_step_does():
+    """`precision_audit`, `grad_fidelity` and `fidelity_report` call a stateful loss with the state's model_state,
+    as `train_step` does (they failed with a bare TypeError when called as the docs show)."""
+    state = bn_state(jaxamp.get_policy("bf16", autocast=True))
+    batch = bn_batch(0)
+    report = jaxamp.precision_audit(state, batch, bn_loss)
+    # two Dense: forward and weight gradient each, and the second one's input gradient
+    assert report.half_fraction == 1.0 and not report.fallbacks and len(report.rows) == 5
+    explicit = jaxamp.precision_audit(state, batch, bn_loss, carry=state.model_state)
+    assert [r["source"] for r in report.rows] == [r["source"] for r in explicit.rows]
+    errs = fidelity.grad_fidelity(state, batch, bn_loss)
+    given = fidelity.grad_fidelity(state, batch, bn_loss, carry=state.model_state)
+    assert sorted(errs) == sorted(given) == ["BatchNorm_0/bias", "BatchNorm_0/scale", "Dense_0/bias",
+                                             "Dense_0/kernel", "Dense_1/bias", "Dense_1/kernel"]
+    assert all(float(errs[k]) == float(given[k]) for k in errs)
+    fid = fidelity.fidelity_report(state, batch, bn_loss, noise_floor=True)
+    assert {k: float(v) for k, v in fid["rel_err"].items()} == {k: float(v) for k, v in errs.items()}
+    # the bias before BatchNorm has a float32 gradient of about 0 (BatchNorm removes a per-feature shift)
+    assert [k for k, v in fid["near_zero"].items() if bool(v)] == ["Dense_0/bias"]
+    assert all(0.0 < float(errs[k]) < 0.02 and 0.0 < float(fid["noise_floor"][k]) < 0.01
+               for k in errs if k != "Dense_0/bias")
+    with pytest.raises(TypeError, match="model_state"):  # a stateless loss with model_state: train_step's message
+        fidelity.grad_fidelity(state, batch, lambda params, batch, rng: 0.0)
 
 # ---- a hand-written step around Flax's own TrainState ---------------------------------------------------------------
 

@@ -177,6 +177,7 @@ def test_autocast_runs_the_unchanged_model_in_half_precision(name, spec):
     assert {r["pass"] for r in report.rows} == {"forward", "backward"}
 
 
+@pytest.mark.slow  # 5-9 s each on 2 cores
 @pytest.mark.parametrize("name", ["lm1b", "gemma_nnx", "esm2_equinox", "gpt2_hf"])
 def test_recompute_elementwise_saves_less_and_keeps_the_gradient(name):
     """`jax.checkpoint(loss, policy=jaxamp.remat.recompute_elementwise)` around the unchanged model's loss under

@@ -57,6 +57,7 @@ def _dots(jaxpr) -> list[str]:
                   if e.primitive.name == "dot_general")
 
 
+@pytest.mark.slow  # 4-7 s each on 2 cores
 @pytest.mark.parametrize("precision", ["bf16;autocast", "fp8-current"])
 def test_scanned_block_saves_no_float32_hidden_activation_and_recomputes_no_matmul(precision):
     plain, elementwise, full = (_grad_jaxpr(precision, r) for r in ("none", "elementwise", "full"))
