@@ -50,6 +50,11 @@ __all__ = ["ABSORB_LIMIT", "PrecisionReport", "PrecisionWarning", "audit_jaxpr",
 # `scaled_matmul_wrapper`: `jax.nn.scaled_dot_general`'s block-scaled GEMM (`fp8[b, m, k] . fp8[b, n, k]` with e8m0
 # scales), which the mxfp8 recipe calls on Blackwell GPUs.
 _MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general", "scaled_matmul_wrapper", "scaled_matmul")
+# The ops between a head's matmul and the softmax that takes its logits: a bias, a scale, a soft cap (tanh), casts,
+# reshapes, slices (`logits[:, :-1]`), masks, clips.
+_LOGIT_PATH = ("add", "add_any", "sub", "mul", "div", "neg", "tanh", "convert_element_type", "reduce_precision",
+               "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "dynamic_slice",
+               "select_n", "max", "min", "clamp", "copy", "copy_p", "name")  # name: checkpoint_name
 # The ops between an FP8 value and the matmul that takes it dequantized (`convert(f8) * scale`, reshaped).
 _DEQUANTIZE_OPS = ("convert_element_type", "mul", "div", "broadcast_in_dim", "reshape", "transpose", "squeeze",
                    "copy", "copy_p")
@@ -202,6 +207,9 @@ class _Walk:
     names: list = dataclasses.field(default_factory=list)  # per row: its whole name stack (`_names`, prefixed)
     sums: list = dataclasses.field(default_factory=list)
     producer: dict = dataclasses.field(default_factory=dict)
+    # id(var) -> the equations that take it; ("enter", id(var)) -> the call bodies' inputs it becomes; ("exit",
+    # id(inner output)) -> the call's outputs it becomes
+    consumers: dict = dataclasses.field(default_factory=dict)
     first_fallback: Any = None
     backward: bool = False  # visiting the body of a backward (transposed) scan, while or call
     prefix: tuple = ()  # the names of the equations whose sub-programs are being visited
@@ -212,6 +220,9 @@ class _Walk:
         for eqn in jaxpr.eqns:
             for out in eqn.outvars:
                 self.producer[id(out)] = eqn
+            for v in eqn.invars:
+                if _is_var(v):
+                    self.consumers.setdefault(id(v), []).append(eqn)
             self.held_by[id(eqn)] = self.calls
             name = eqn.primitive.name
             if name in _MATMULS:
@@ -223,8 +234,11 @@ class _Walk:
                     for outer, inner in zip(eqn.outvars, sub.outvars):
                         if hasattr(inner, "aval") and not hasattr(inner, "val"):
                             self.producer.setdefault(("alias", id(outer)), inner)
+                            self.consumers.setdefault(("exit", id(inner)), []).append(outer)
                     for outer, inner in zip(eqn.invars[len(eqn.invars) - len(sub.invars):], sub.invars):
                         self.producer.setdefault(("input", id(inner)), outer)
+                        if _is_var(outer):
+                            self.consumers.setdefault(("enter", id(outer)), []).append(inner)
                 outer = self.backward, self.prefix, self.calls
                 self.backward = _pass(eqn, self.backward) == "backward"
                 self.prefix = (*self.prefix, *_names(eqn))
@@ -262,6 +276,43 @@ class _Walk:
         if compute_half and not (_is_half(lhs) and _is_half(rhs)):
             if self.first_fallback is None:
                 self.first_fallback = (row, eqn)
+
+    def feeds_softmax(self, var, depth: int = 24) -> bool:
+        """Whether `var` reaches a softmax's input (`log_softmax`, `softmax`, `logsumexp`, optax's cross-entropies:
+        `x` taken by a `reduce_max` and by the `x - max` that goes to `exp`) through elementwise and shape ops and
+        call boundaries only (no other matmul, normalisation or reduction), at most `depth` ops on."""
+        frontier, seen = [(var, depth)], set()
+        while frontier:
+            v, left = frontier.pop()
+            if left == 0 or id(v) in seen:
+                continue
+            seen.add(id(v))
+            if self._softmax_input(v):
+                return True
+            frontier += [(w, left - 1) for w in self.consumers.get(("exit", id(v)), [])]
+            frontier += [(w, left - 1) for w in self.consumers.get(("enter", id(v)), [])]
+            frontier += [(w, left - 1) for eqn in self.consumers.get(id(v), [])
+                         if eqn.primitive.name in _LOGIT_PATH for w in eqn.outvars]
+        return False
+
+    def _softmax_input(self, var) -> bool:
+        """`var` is a softmax's input: a `reduce_max` takes it, and a `sub` of it reaches an `exp` within 3 ops."""
+        takers = self.consumers.get(id(var), [])
+        if not any(e.primitive.name == "reduce_max" for e in takers):
+            return False
+        frontier = [(out, 3) for e in takers if e.primitive.name == "sub" and e.invars[0] is var for out in e.outvars]
+        while frontier:
+            v, left = frontier.pop()
+            for e in self.consumers.get(id(v), []) + [None]:
+                if e is None:
+                    break
+                if e.primitive.name == "exp":
+                    return True
+                if left > 1 and e.primitive.name in ("convert_element_type", "broadcast_in_dim", "reshape",
+                                                      "transpose", "select_n", "reduce_precision"):
+                    frontier += [(w, left - 1) for w in e.outvars]
+            frontier += [(w, left - 1) for w in self.consumers.get(("enter", id(v)), []) if left > 1]
+        return False
 
     def _dequantized(self, eqn) -> tuple[str, str] | None:
         """The FP8 formats of a matmul on two dequantized FP8 operands (`convert(f8) * scale`: Flax's
@@ -393,6 +444,9 @@ class PrecisionReport:
       float32_results: under autocast, the policy's `float32_results` patterns, else ().
       fp8: whether the policy asks for FP8 matmuls (delayed `fp8` or a stateless recipe): the summary then always
         gives the FP8 share, and the warning fires when it is 0.
+      half_logits: under autocast, the forward weight matmuls whose half-precision result (or FP8 operands) goes
+        into a softmax (`log_softmax`, `logsumexp`, optax's cross-entropies) through elementwise and shape ops
+        only: an output head that `float32_results` (or `fp8_exclude`) did not name. Rows as `rows`.
     """
 
     policy: str
@@ -405,6 +459,7 @@ class PrecisionReport:
     autocast: bool = False
     float32_results: tuple = ()
     fp8: bool = False
+    half_logits: tuple = ()
 
     @property
     def fp8_unused_exclusions(self) -> tuple[str, ...]:
@@ -449,7 +504,7 @@ class PrecisionReport:
             names = list(dict.fromkeys(r["fp8_excluded_name"] for r in excluded))
             text += (f"; {len(excluded)} weight matmul{'' if len(excluded) == 1 else 's'} kept out of FP8 by "
                      f"fp8_exclude ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
-        head_in_fp8 = not excluded and bool(self.fp8_fraction and self.fp8_exclude)
+        head_in_fp8 = not excluded and bool(self.fp8_fraction and self.fp8_exclude) and not self.logits_note()
         if head_in_fp8:
             text += ("; fp8_exclude kept no matmul out of FP8 (an output head without a usual name runs in FP8: "
                      "name it in fp8_exclude or wrap it in jax.named_scope('head'))")
@@ -473,11 +528,29 @@ class PrecisionReport:
             return ""
         unused = self.float32_results_unused
         unused_text = f"; float32_results patterns that match no matmul: {', '.join(unused)}" if unused else ""
+        logits = self.logits_note()
+        if logits:
+            return "; " + logits + unused_text
         if not any(r.get("float32_result_by") for r in self.rows):
             return ("; float32_results kept no matmul result float32 (an output head without a usual name writes "
                     f"{self.compute_dtype} logits: add its name with ';float32_results+=NAME' or wrap it in "
                     "jax.named_scope('head'))" + unused_text)
         return unused_text
+
+    def logits_note(self) -> str:
+        """What to do about the largest output head in `half_logits` that the policy's patterns would cover if they
+        named it (none where the user emptied them: `;float32_results=`, `;fp8_exclude=`), or ""."""
+        heads = [r for r in self.half_logits
+                 if (self.fp8_exclude if r["lhs"].startswith("float8") else self.float32_results)]
+        if not heads:
+            return ""
+        head = max(heads, key=lambda r: r["flops"])
+        pattern = f"^{re.escape(_module_of(head['weight']))}$"
+        if head["lhs"].startswith("float8"):
+            return (f"the output head {head['weight']} at {head['source']} runs in FP8 into a softmax: keep it out "
+                    f"with ';fp8_exclude+={pattern};float32_results+={pattern}'")
+        return (f"the output head {head['weight']} at {head['source']} writes {head['out']} logits into a softmax: "
+                f"';float32_results+={pattern}' keeps them float32")
 
     def __str__(self) -> str:
         """The summary, then the matmuls grouped by where they come from and their weight, its layer numbers as `*`
@@ -511,6 +584,13 @@ class PrecisionReport:
 
 _NO_FP8 = ("the policy asks for FP8 but no matmul ran in FP8 (FP8 covers weight matmuls, dot_general: convolutions "
            "and activation x activation matmuls stay in the compute dtype; fp8_exclude keeps the output head out)")
+
+
+def _module_of(weight: str) -> str:
+    """The module of a weight's param path: `"linear"` of `"linear.weight"`, `"decoder.logitdense"` of
+    `"decoder.logitdense.kernel"` (a prefix that `fp8_exclude` and `float32_results` patterns are matched to)."""
+    parts = weight.split(".")
+    return ".".join(parts[:-1]) if len(parts) > 1 else weight
 
 
 def _flops_text(flops: float) -> str:
@@ -569,6 +649,9 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
     total = sum(r["flops"] for r in walk.rows)
     half = sum(r["flops"] for r in walk.rows if _is_half(r["lhs"]) and _is_half(r["rhs"]))
     fallbacks = [dict(r) for r in walk.rows if compute_half and not (_is_half(r["lhs"]) and _is_half(r["rhs"]))]
+    half_logits = [dict(r) for r, eqn in zip(walk.rows, walk.eqns)
+                   if autocast and r["pass"] == "forward" and r["weight"]
+                   and (_is_half(r["out"]) or r["lhs"].startswith("float8")) and walk.feeds_softmax(eqn.outvars[0])]
     if fallbacks:
         row, eqn = walk.first_fallback
         fallbacks[0]["cause"] = walk.cause(eqn)
@@ -579,7 +662,7 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
                            fp8_exclude=tuple(fp8_exclude) if fp8_exclude is not None else (),
                            autocast=autocast,
                            float32_results=tuple(float32_results) if float32_results is not None else (),
-                           fp8=fp8)
+                           fp8=fp8, half_logits=tuple(half_logits))
 
 
 def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
@@ -643,6 +726,8 @@ def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: 
                         f"{worst['source']})")
     if report.fp8 and not report.fp8_fraction:
         problems.append(_NO_FP8)
+    if report.logits_note():
+        problems.append(report.logits_note())
     if report.fp8_unused_added:
         problems.append(f"the fp8_exclude patterns {', '.join(report.fp8_unused_added)} match no matmul (a typo? "
                         "each is searched in the names on a matmul's name stack, its weight's param path and "

@@ -424,10 +424,17 @@ def test_the_audit_says_when_no_matmul_writes_float32_logits_and_which_pattern_d
                                   rng=jax.random.key(1))
         return precision_audit(state, batch, loss_fn)
 
-    plain = audit("bf16;autocast")
-    assert "float32_results kept no matmul result float32" in plain.summary() and "bfloat16 logits" in \
-        plain.summary()
+    plain = audit("bf16;autocast")  # the head, found by the softmax it feeds: the pattern that names it
+    assert "writes bfloat16 logits into a softmax: ';float32_results+=^output_layer$' keeps them" in plain.summary()
     assert {r["out"] for r in plain.rows} == {"bfloat16"}
+
+    def squared_error(params, batch, rng):  # no softmax: no head found, the general note
+        return jnp.mean(net.apply({"params": params}, batch[0]).astype(jnp.float32) ** 2)
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16;autocast", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(1))
+    regression = precision_audit(state, batch, squared_error)
+    assert regression.half_logits == () and "float32_results kept no matmul result float32" in regression.summary()
     named = audit("bf16;autocast;float32_results+=^output_layer$")
     assert "float32_results kept" not in named.summary() and "match no matmul" not in named.summary()
     wrote = [(r["weight"], r["pass"], r["float32_result_by"]) for r in named.rows if r["out"] == "float32"]
@@ -440,3 +447,62 @@ def test_the_audit_says_when_no_matmul_writes_float32_logits_and_which_pattern_d
     assert "linear1.kernel" in str(named) and "output_layer.kernel" in str(named)
     assert jaxamp.audit._layers("blocks_0.linear1.kernel") == "blocks_*.linear1.kernel"
     assert jaxamp.audit._layers("h/12/mlp/c_fc2") == "h/*/mlp/c_fc2"
+
+
+class Unusual(nn.Module):
+    """A head without a usual name (`out_proj`), beside an attention softmax over activations and a max over the
+    output of a Dense (a max that is no softmax)."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(32, name="up")(x))
+        h = jax.nn.softmax(nn.Dense(32, name="q")(h) @ h.T, axis=-1) @ h  # f32[batch, 32]
+        pooled = jnp.max(nn.Dense(32, name="pre_pool")(h), axis=-1, keepdims=True)  # f32[batch, 1]
+        return nn.Dense(4, name="out_proj")(h + pooled)  # f32[batch, 4] logits
+
+
+@pytest.mark.slow  # 3-6 s: five audits and two three-step runs
+def test_a_head_without_a_usual_name_is_found_by_its_softmax_and_the_warning_names_the_pattern():
+    """Under autocast the audit follows each weight matmul's result through elementwise and shape ops: the one that
+    reaches the loss's softmax is the output head, and the summary and the warning give the pattern that keeps its
+    logits float32 (or out of FP8); an attention's softmax (activation x activation) and a max pool are not heads."""
+    net = Unusual()
+    params = net.init(jax.random.key(0), jnp.ones((8, 16)))["params"]
+
+    def loss(p, batch, rng):
+        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, batch["x"]),
+                                                               batch["y"]).mean()
+
+    batch = {"x": jax.random.normal(jax.random.key(1), (8, 16)), "y": jnp.arange(8) % 4}
+
+    def state(policy):
+        return TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(),
+                                 rng=jax.random.key(2))
+
+    line = inspect.getsourcelines(Unusual.__call__)[1] + 5
+    for policy, dtype in (("bf16;autocast", "bfloat16"), ("fp16;autocast", "float16")):
+        report = precision_audit(state(policy), batch, loss)
+        assert [r["weight"] for r in report.half_logits] == ["out_proj.kernel"]
+        assert (f"the output head out_proj.kernel at test_audit.py:{line} writes {dtype} logits into a softmax: "
+                "';float32_results+=^out_proj$' keeps them float32") in report.summary()
+    fixed = precision_audit(state("bf16;autocast;float32_results+=^out_proj$"), batch, loss)
+    assert fixed.half_logits == () and "output head" not in fixed.summary()
+    assert [r["out"] for r in fixed.rows if r["weight"] == "out_proj.kernel" and r["pass"] == "forward"] == ["float32"]
+    # torch.amp's half-precision logits, asked for: found, but nothing to say
+    opted_out = precision_audit(state("bf16;autocast;float32_results="), batch, loss)
+    assert len(opted_out.half_logits) == 1 and "output head" not in opted_out.summary()
+    fp8 = precision_audit(state("fp8-current"), batch, loss)
+    assert [(r["weight"], r["lhs"]) for r in fp8.half_logits] == [("out_proj.kernel", "float8_e4m3fn")]
+    assert ("runs in FP8 into a softmax: keep it out with ';fp8_exclude+=^out_proj$;float32_results+=^out_proj$'"
+            in fp8.summary())
+    fp8_fixed = precision_audit(state("fp8-current;fp8_exclude+=^out_proj$;float32_results+=^out_proj$"), batch, loss)
+    assert fp8_fixed.half_logits == () and fp8_fixed.fp8_fraction > 0.5
+    step = jax.jit(train_step, static_argnames="loss_fn")
+    for policy, expected in (("bf16;autocast", 1), ("bf16;autocast;float32_results+=^out_proj$", 0)):
+        s = state(policy)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                s, _ = step(s, batch, loss)
+        found = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+        assert len(found) == expected and all("';float32_results+=^out_proj$'" in m for m in found), found
