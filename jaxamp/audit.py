@@ -422,7 +422,9 @@ class PrecisionReport:
       half_fraction: share of matmul and convolution FLOPs (forward and backward) whose operands are both float16,
         bfloat16 or FP8; 1.0 when the step has no matmul.
       rows: one dict per matmul or convolution: `source` (`file.py:LINE` of the user's code), `library` (the
-        library frame that issued it, e.g. `flax/linen/linear.py:Dense.__call__`, or ""), `primitive`, `lhs`,
+        library function that `source` called, e.g. `flax/linen/linear.py:Dense.__call__` from a linen module's own
+        code; for a model called whole, as a Hugging Face model is, the same entry point on every row, which
+        `weight` and `scope` tell apart; or ""), `primitive`, `lhs`,
         `rhs`, `out` (dtype names), `flops` (per step, times scan trip counts), `trips` (how many times a step
         runs it: the product of its enclosing scans' lengths, 1 outside a scan), `pass` (`"forward"` or
         `"backward"`), `shape`, `scope` (the names on its name stack: `"Model/block_0/Dense_1"`; Equinox's
