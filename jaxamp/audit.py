@@ -55,6 +55,8 @@ _MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general", "scaled
 _LOGIT_PATH = ("add", "add_any", "sub", "mul", "div", "neg", "tanh", "convert_element_type", "reduce_precision",
                "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "dynamic_slice",
                "select_n", "max", "min", "clamp", "copy", "copy_p", "name")  # name: checkpoint_name
+# The ops between a softmax's `x - max` and its `exp`.
+_SHIFT_TO_EXP = ("convert_element_type", "broadcast_in_dim", "reshape", "transpose", "select_n", "reduce_precision")
 # The ops between an FP8 value and the matmul that takes it dequantized (`convert(f8) * scale`, reshaped).
 _DEQUANTIZE_OPS = ("convert_element_type", "mul", "div", "broadcast_in_dim", "reshape", "transpose", "squeeze",
                    "copy", "copy_p")
@@ -303,15 +305,12 @@ class _Walk:
         frontier = [(out, 3) for e in takers if e.primitive.name == "sub" and e.invars[0] is var for out in e.outvars]
         while frontier:
             v, left = frontier.pop()
-            for e in self.consumers.get(id(v), []) + [None]:
-                if e is None:
-                    break
-                if e.primitive.name == "exp":
-                    return True
-                if left > 1 and e.primitive.name in ("convert_element_type", "broadcast_in_dim", "reshape",
-                                                      "transpose", "select_n", "reduce_precision"):
-                    frontier += [(w, left - 1) for w in e.outvars]
-            frontier += [(w, left - 1) for w in self.consumers.get(("enter", id(v)), []) if left > 1]
+            takers = self.consumers.get(id(v), [])
+            if any(e.primitive.name == "exp" for e in takers):
+                return True
+            if left > 1:
+                frontier += [(w, left - 1) for e in takers if e.primitive.name in _SHIFT_TO_EXP for w in e.outvars]
+                frontier += [(w, left - 1) for w in self.consumers.get(("enter", id(v)), [])]
         return False
 
     def _dequantized(self, eqn) -> tuple[str, str] | None:
