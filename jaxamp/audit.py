@@ -540,7 +540,8 @@ class PrecisionReport:
 
     def logits_note(self) -> str:
         """What to do about the largest output head in `half_logits` that the policy's patterns would cover if they
-        named it (none where the user emptied them: `;float32_results=`, `;fp8_exclude=`), or ""."""
+        named it (none where the user emptied them: `;float32_results=`, `;fp8_exclude=`), or "": the policy, its
+        patterns extended by the head's module path, that keeps its logits float32 (and it out of FP8)."""
         heads = [r for r in self.half_logits
                  if (self.fp8_exclude if r["lhs"].startswith("float8") else self.float32_results)]
         if not heads:
@@ -548,10 +549,12 @@ class PrecisionReport:
         head = max(heads, key=lambda r: r["flops"])
         pattern = f"^{re.escape(_module_of(head['weight']))}$"
         if head["lhs"].startswith("float8"):
-            return (f"the output head {head['weight']} at {head['source']} runs in FP8 into a softmax: keep it out "
-                    f"with ';fp8_exclude+={pattern};float32_results+={pattern}'")
+            spec = _add_pattern(self.policy, "fp8_exclude", pattern)
+            spec = _add_pattern(spec, "float32_results", pattern) if self.float32_results else spec
+            return (f"the output head {head['weight']} at {head['source']} runs in FP8 into a softmax: policy "
+                    f"'{spec}' keeps it out")
         return (f"the output head {head['weight']} at {head['source']} writes {head['out']} logits into a softmax: "
-                f"';float32_results+={pattern}' keeps them float32")
+                f"policy '{_add_pattern(self.policy, 'float32_results', pattern)}' keeps them float32")
 
     def __str__(self) -> str:
         """The summary, then the matmuls grouped by where they come from and their weight, its layer numbers as `*`
@@ -585,6 +588,18 @@ class PrecisionReport:
 
 _NO_FP8 = ("the policy asks for FP8 but no matmul ran in FP8 (FP8 covers weight matmuls, dot_general: convolutions "
            "and activation x activation matmuls stay in the compute dtype; fp8_exclude keeps the output head out)")
+
+
+def _add_pattern(policy: str, rule: str, pattern: str) -> str:
+    """The policy spec `policy` with `pattern` added to its `rule` (`fp8_exclude`, `float32_results`): to the patterns
+    its `;rule+=` or `;rule=` already gives, else as `;rule+=pattern` (a rule given twice is refused)."""
+    parts = policy.split(";")
+    for i, part in enumerate(parts):
+        name, eq, patterns = part.partition("=")
+        if eq and name.strip() in (rule, rule + "+"):
+            parts[i] = f"{part},{pattern}" if patterns.strip() else part + pattern
+            return ";".join(parts)
+    return f"{policy};{rule}+={pattern}"
 
 
 def _module_of(weight: str) -> str:

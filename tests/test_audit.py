@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import warnings
 
 import flax.linen as nn
@@ -425,7 +426,8 @@ def test_the_audit_says_when_no_matmul_writes_float32_logits_and_which_pattern_d
         return precision_audit(state, batch, loss_fn)
 
     plain = audit("bf16;autocast")  # the head, found by the softmax it feeds: the pattern that names it
-    assert "writes bfloat16 logits into a softmax: ';float32_results+=^output_layer$' keeps them" in plain.summary()
+    assert ("writes bfloat16 logits into a softmax: policy 'bf16;autocast;float32_results+=^output_layer$' keeps "
+            "them") in plain.summary()
     assert {r["out"] for r in plain.rows} == {"bfloat16"}
 
     def squared_error(params, batch, rng):  # no softmax: no head found, the general note
@@ -484,7 +486,7 @@ def test_a_head_without_a_usual_name_is_found_by_its_softmax_and_the_warning_nam
         report = precision_audit(state(policy), batch, loss)
         assert [r["weight"] for r in report.half_logits] == ["out_proj.kernel"]
         assert (f"the output head out_proj.kernel at test_audit.py:{line} writes {dtype} logits into a softmax: "
-                "';float32_results+=^out_proj$' keeps them float32") in report.summary()
+                f"policy '{policy};float32_results+=^out_proj$' keeps them float32") in report.summary()
     fixed = precision_audit(state("bf16;autocast;float32_results+=^out_proj$"), batch, loss)
     assert fixed.half_logits == () and "output head" not in fixed.summary()
     assert [r["out"] for r in fixed.rows if r["weight"] == "out_proj.kernel" and r["pass"] == "forward"] == ["float32"]
@@ -493,8 +495,18 @@ def test_a_head_without_a_usual_name_is_found_by_its_softmax_and_the_warning_nam
     assert len(opted_out.half_logits) == 1 and "output head" not in opted_out.summary()
     fp8 = precision_audit(state("fp8-current"), batch, loss)
     assert [(r["weight"], r["lhs"]) for r in fp8.half_logits] == [("out_proj.kernel", "float8_e4m3fn")]
-    assert ("runs in FP8 into a softmax: keep it out with ';fp8_exclude+=^out_proj$;float32_results+=^out_proj$'"
-            in fp8.summary())
+    assert ("runs in FP8 into a softmax: policy 'fp8-current;fp8_exclude+=^out_proj$;float32_results+=^out_proj$' "
+            "keeps it out") in fp8.summary()
+    # a policy that already adds patterns: the suggestion extends its rules (a rule given twice is refused)
+    given = "bf16;autocast;float32_results+=^decoder$"
+    note = precision_audit(state(given), batch, loss).logits_note()
+    suggested = re.search(r"policy '([^']*)'", note).group(1)
+    assert suggested == "bf16;autocast;float32_results+=^decoder$,^out_proj$"
+    assert precision_audit(state(suggested), batch, loss).half_logits == ()
+    note = precision_audit(state("fp8-current;fp8_exclude+=^decoder$"), batch, loss).logits_note()
+    suggested = re.search(r"policy '([^']*)'", note).group(1)
+    assert suggested == "fp8-current;fp8_exclude+=^decoder$,^out_proj$;float32_results+=^out_proj$"
+    assert precision_audit(state(suggested), batch, loss).half_logits == ()
     fp8_fixed = precision_audit(state("fp8-current;fp8_exclude+=^out_proj$;float32_results+=^out_proj$"), batch, loss)
     assert fp8_fixed.half_logits == () and fp8_fixed.fp8_fraction > 0.5
     step = jax.jit(train_step, static_argnames="loss_fn")
@@ -505,4 +517,4 @@ def test_a_head_without_a_usual_name_is_found_by_its_softmax_and_the_warning_nam
             for _ in range(3):
                 s, _ = step(s, batch, loss)
         found = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
-        assert len(found) == expected and all("';float32_results+=^out_proj$'" in m for m in found), found
+        assert len(found) == expected and all("'bf16;autocast;float32_results+=^out_proj$'" in m for m in found)
