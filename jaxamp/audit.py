@@ -333,11 +333,24 @@ class _Walk:
             return None
         if maker.primitive.name == "convert_element_type" and _dtype(maker.invars[0]).startswith("float8"):
             return _dtype(maker.invars[0])
-        for v in maker.invars:
+        values = maker.invars
+        if maker.primitive.name in ("mul", "div"):  # `convert(f8) * scale`: the one operand that is not a scale
+            values = [v for v in maker.invars if not self._is_scale(v, maker.outvars[0])]
+            if len(values) != 1 or (maker.primitive.name == "div" and values[0] is not maker.invars[0]):
+                return None  # e.g. data times a mask stored in FP8: not a dequantization
+        for v in values:
             found = self._fp8_origin(v, depth - 1)
             if found:
                 return found
         return None
+
+    def _is_scale(self, var, out) -> bool:
+        """`var` scales `out` elementwise: a literal, an array with fewer elements, or one broadcast from such."""
+        if not _is_var(var) or math.prod(var.aval.shape) < math.prod(out.aval.shape):
+            return True
+        maker = self.producer.get(id(var))
+        return maker is not None and maker.primitive.name == "broadcast_in_dim" and \
+            math.prod(maker.invars[0].aval.shape) < math.prod(out.aval.shape)
 
     def _sum(self, eqn) -> None:
         size = _summed(eqn)

@@ -477,6 +477,26 @@ def test_the_audit_counts_flax_fp8_ops_in_fp8_and_the_step_does_not_warn(op, for
         ("forward", e4m3, e4m3), ("backward", e5m2, e4m3), ("backward", e5m2, e4m3)]
     assert report.fp8_fraction == 1.0 and "(100.0% in FP8)" in report.summary()
 
+
+def test_data_times_a_mask_stored_in_fp8_is_not_an_fp8_matmul():
+    """Only `convert(f8) * scale` is a dequantization: float32 data times a 0/1 mask stored in FP8 (both full-size)
+    stays what autocast makes it."""
+    from jaxamp import precision_audit
+
+    mask = (jax.random.uniform(jax.random.key(2), (4, 8)) > 0.1).astype(jnp.float8_e4m3fn)
+
+    def loss(p, b, rng):
+        x = b["x"] * b["mask"].astype(jnp.float32)  # f32[4, 8], masked
+        w = p["w"] * b["wmask"].astype(jnp.float32)  # f32[8, 8], pruned
+        return jnp.mean((x @ w) ** 2)
+
+    state = TrainState.create(params={"w": jnp.ones((8, 8))}, tx=optax.sgd(0.1), policy="bf16;autocast",
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+    batch = {"x": jax.random.normal(jax.random.key(1), (4, 8)), "mask": mask,
+             "wmask": jnp.ones((8, 8), jnp.float8_e4m3fn)}
+    report = precision_audit(state, batch, loss)
+    assert {(r["lhs"], r["rhs"]) for r in report.rows} == {("bfloat16", "bfloat16")} and report.fp8_fraction == 0.0
+
 class TwoHeads(nn.Module):
     """Two FP8 Dense heads; the loss calls `a`, and `b` only when `use_b` (a layer the loss may leave out)."""
 
