@@ -560,7 +560,7 @@ class PrecisionReport:
         if not heads:
             return ""
         head = max(heads, key=lambda r: r["flops"])
-        pattern = f"^{re.escape(_module_of(head['weight']))}$"
+        pattern = f"^{re.escape(head['weight'])}$"  # the whole param path: a module name alone recurs (`out`)
         if head["lhs"].startswith("float8"):
             spec = _add_pattern(self.policy, "fp8_exclude", pattern)
             spec = _add_pattern(spec, "float32_results", pattern) if self.float32_results else spec
@@ -613,13 +613,6 @@ def _add_pattern(policy: str, rule: str, pattern: str) -> str:
             parts[i] = f"{part},{pattern}" if patterns.strip() else part + pattern
             return ";".join(parts)
     return f"{policy};{rule}+={pattern}"
-
-
-def _module_of(weight: str) -> str:
-    """The module of a weight's param path: `"linear"` of `"linear.weight"`, `"decoder.logitdense"` of
-    `"decoder.logitdense.kernel"` (a prefix that `fp8_exclude` and `float32_results` patterns are matched to)."""
-    parts = weight.split(".")
-    return ".".join(parts[:-1]) if len(parts) > 1 else weight
 
 
 def _flops_text(flops: float) -> str:
@@ -710,13 +703,13 @@ def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
 
 
 def _mark_float32_results(walk: _Walk, float32_results) -> None:
-    """Each row's `float32_result_by`: for a `dot_general` with half-precision (not FP8) operands and a float32
-    result, the first `float32_results` pattern found in a name of its scope, weight or call stack (as
+    """Each row's `float32_result_by`: for a `dot_general` or convolution with half-precision (not FP8) operands and
+    a float32 result, the first `float32_results` pattern found in a name of its scope, weight or call stack (as
     `autocast_rules.float32_result_applies` decides), else None."""
     patterns = [(p, re.compile(p)) for p in float32_results]
     for row, eqn, scopes in zip(walk.rows, walk.eqns, walk.names):
-        wrote = (eqn.primitive.name == "dot_general" and row["out"] == "float32" and _is_half(row["lhs"])
-                 and _is_half(row["rhs"]) and not row["lhs"].startswith("float8"))
+        wrote = (eqn.primitive.name in ("dot_general", "conv_general_dilated") and row["out"] == "float32"
+                 and _is_half(row["lhs"]) and _is_half(row["rhs"]) and not row["lhs"].startswith("float8"))
         names = exclusion_names(eqn, scopes) if wrote else []
         row["float32_result_by"] = next((p for p, rx in patterns for n in names if rx.search(n)), None)
 

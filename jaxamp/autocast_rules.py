@@ -370,9 +370,9 @@ def fp8_dot(eqn, operands: list, params: dict, mode: Mode):
 
 
 def float32_result_applies(eqn, mode: Mode) -> bool:
-    """Whether this matmul writes a float32 result: a `dot_general` with a name (`exclusion_names`) that one of
-    `mode.float32_results` matches."""
-    if not mode.float32_results or eqn.primitive.name != "dot_general":
+    """Whether this matmul writes a float32 result: a `dot_general` or a convolution (a segmentation network's 1x1
+    head) with a name (`exclusion_names`) that one of `mode.float32_results` matches."""
+    if not mode.float32_results or eqn.primitive.name not in ("dot_general", "conv_general_dilated"):
         return False
     return any(p.search(name) for p in mode.float32_results for name in exclusion_names(eqn))
 
@@ -389,10 +389,10 @@ class _DotOp:
 
 
 def float32_result_dot(eqn, operands: list, params: dict):
-    """A `dot_general` on compute-dtype `operands` with float32 accumulation and a float32 result (logits that reach
-    the loss unrounded, as `jaxamp.layers.attend` computes them); the result's gradient is rounded to the compute
-    dtype once, so both backward matmuls still take compute-dtype operands and accumulate in float32, their results
-    in the compute dtype (as under the plain matmul rule)."""
+    """A `dot_general` (or convolution) on compute-dtype `operands` with float32 accumulation and a float32 result
+    (logits that reach the loss unrounded, as `jaxamp.layers.attend` computes them); the result's gradient is rounded
+    to the compute dtype once, so both backward matmuls still take compute-dtype operands and accumulate in float32,
+    their results in the compute dtype (as under the plain matmul rule)."""
     return _float32_result(operands[0], operands[1], _DotOp(eqn, params))
 
 

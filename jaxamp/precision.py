@@ -91,7 +91,7 @@ class Policy(jmp.Policy):
       opt_state_dtype: `"bfloat16"` or `"float16"`: `TrainState.create` stores the optax state's floating arrays
         (Adam's moments) in it (`jaxamp.opt_state.low_precision_state`: the update in float32, storage narrow), or
         None (float32). The `";opt_state=bf16"` rule sets it.
-      float32_results: regular expressions over module names whose `dot_general` writes a float32 result under
+      float32_results: regular expressions over module names whose `dot_general` (or convolution) writes float32 under
         autocast (`jaxamp.autocast`'s `float32_results`; default the output head, so that logits stay float32).
         The `";float32_results=REGEX,REGEX"` rule replaces them, `";float32_results+=REGEX,REGEX"` adds to them;
         `";float32_results="` leaves none (torch.amp's bfloat16 logits). Independent of `fp8_exclude`, whose

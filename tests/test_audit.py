@@ -426,8 +426,8 @@ def test_the_audit_says_when_no_matmul_writes_float32_logits_and_which_pattern_d
         return precision_audit(state, batch, loss_fn)
 
     plain = audit("bf16;autocast")  # the head, found by the softmax it feeds: the pattern that names it
-    assert ("writes bfloat16 logits into a softmax: policy 'bf16;autocast;float32_results+=^output_layer$' keeps "
-            "them") in plain.summary()
+    assert ("writes bfloat16 logits into a softmax: policy 'bf16;autocast;float32_results+=^output_layer\\.kernel$' "
+            "keeps them") in plain.summary()
     assert {r["out"] for r in plain.rows} == {"bfloat16"}
 
     def squared_error(params, batch, rng):  # no softmax: no head found, the general note
@@ -486,7 +486,7 @@ def test_a_head_without_a_usual_name_is_found_by_its_softmax_and_the_warning_nam
         report = precision_audit(state(policy), batch, loss)
         assert [r["weight"] for r in report.half_logits] == ["out_proj.kernel"]
         assert (f"the output head out_proj.kernel at test_audit.py:{line} writes {dtype} logits into a softmax: "
-                f"policy '{policy};float32_results+=^out_proj$' keeps them float32") in report.summary()
+                f"policy '{policy};float32_results+=^out_proj\\.kernel$' keeps them float32") in report.summary()
     fixed = precision_audit(state("bf16;autocast;float32_results+=^out_proj$"), batch, loss)
     assert fixed.half_logits == () and "output head" not in fixed.summary()
     assert [r["out"] for r in fixed.rows if r["weight"] == "out_proj.kernel" and r["pass"] == "forward"] == ["float32"]
@@ -495,17 +495,18 @@ def test_a_head_without_a_usual_name_is_found_by_its_softmax_and_the_warning_nam
     assert len(opted_out.half_logits) == 1 and "output head" not in opted_out.summary()
     fp8 = precision_audit(state("fp8-current"), batch, loss)
     assert [(r["weight"], r["lhs"]) for r in fp8.half_logits] == [("out_proj.kernel", "float8_e4m3fn")]
-    assert ("runs in FP8 into a softmax: policy 'fp8-current;fp8_exclude+=^out_proj$;float32_results+=^out_proj$' "
+    assert ("runs in FP8 into a softmax: policy 'fp8-current;fp8_exclude+=^out_proj\\.kernel$;"
+            "float32_results+=^out_proj\\.kernel$' "
             "keeps it out") in fp8.summary()
     # a policy that already adds patterns: the suggestion extends its rules (a rule given twice is refused)
     given = "bf16;autocast;float32_results+=^decoder$"
     note = precision_audit(state(given), batch, loss).logits_note()
     suggested = re.search(r"policy '([^']*)'", note).group(1)
-    assert suggested == "bf16;autocast;float32_results+=^decoder$,^out_proj$"
+    assert suggested == r"bf16;autocast;float32_results+=^decoder$,^out_proj\.kernel$"
     assert precision_audit(state(suggested), batch, loss).half_logits == ()
     note = precision_audit(state("fp8-current;fp8_exclude+=^decoder$"), batch, loss).logits_note()
     suggested = re.search(r"policy '([^']*)'", note).group(1)
-    assert suggested == "fp8-current;fp8_exclude+=^decoder$,^out_proj$;float32_results+=^out_proj$"
+    assert suggested == r"fp8-current;fp8_exclude+=^decoder$,^out_proj\.kernel$;float32_results+=^out_proj\.kernel$"
     assert precision_audit(state(suggested), batch, loss).half_logits == ()
     fp8_fixed = precision_audit(state("fp8-current;fp8_exclude+=^out_proj$;float32_results+=^out_proj$"), batch, loss)
     assert fp8_fixed.half_logits == () and fp8_fixed.fp8_fraction > 0.5
@@ -517,4 +518,38 @@ def test_a_head_without_a_usual_name_is_found_by_its_softmax_and_the_warning_nam
             for _ in range(3):
                 s, _ = step(s, batch, loss)
         found = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
-        assert len(found) == expected and all("'bf16;autocast;float32_results+=^out_proj$'" in m for m in found)
+        suggestion = r"'bf16;autocast;float32_results+=^out_proj\.kernel$'"
+        assert len(found) == expected and all(suggestion in m for m in found), found
+
+
+@pytest.mark.slow  # 3 s
+def test_a_convolution_head_is_found_and_the_suggested_policy_makes_its_logits_float32():
+    """A segmentation network's per-pixel logits come from a 1x1 convolution: the audit finds it by its softmax, and
+    the policy it suggests makes that convolution write float32 (its backward convolutions stay bfloat16)."""
+    class Seg(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Conv(5, (1, 1), name="seg_out")(nn.relu(nn.Conv(8, (3, 3))(x)))  # f32[batch, h, w, 5]
+
+    net = Seg()
+    batch = {"x": jax.random.normal(jax.random.key(2), (2, 8, 8, 3)), "y": jnp.zeros((2, 8, 8), jnp.int32)}
+    params = net.init(jax.random.key(0), batch["x"])["params"]
+
+    def loss(p, b, rng):
+        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, b["x"]), b["y"]).mean()
+
+    def audit(policy):
+        return precision_audit(TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy,
+                                                 loss_scale=NoOpLossScale(), rng=jax.random.key(1)), batch, loss)
+
+    found = audit("bf16;autocast")
+    assert [(r["weight"], r["primitive"], r["out"]) for r in found.half_logits] == [
+        ("seg_out.kernel", "conv_general_dilated", "bfloat16")]
+    suggested = re.search(r"policy '([^']*)'", found.logits_note()).group(1)
+    assert suggested == r"bf16;autocast;float32_results+=^seg_out\.kernel$"
+    fixed = audit(suggested)
+    assert fixed.half_logits == () and fixed.summary().endswith("matmuls in half precision")
+    head = [(r["pass"], r["lhs"], r["rhs"], r["out"], r["float32_result_by"]) for r in fixed.rows
+            if r["weight"] == "seg_out.kernel"]
+    assert head[0] == ("forward", "bfloat16", "bfloat16", "float32", r"^seg_out\.kernel$")
+    assert [row[1:4] for row in head[1:]] == [("bfloat16", "bfloat16", "bfloat16")] * 2  # its backward in bf16
