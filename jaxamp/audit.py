@@ -54,7 +54,10 @@ _MATMULS = ("dot_general", "conv_general_dilated", "ragged_dot_general", "scaled
 # reshapes, slices (`logits[:, :-1]`), masks, clips.
 _LOGIT_PATH = ("add", "add_any", "sub", "mul", "div", "neg", "tanh", "convert_element_type", "reduce_precision",
                "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "dynamic_slice",
-               "select_n", "max", "min", "clamp", "copy", "copy_p", "name")  # name: checkpoint_name
+               "select_n", "max", "min", "clamp", "copy", "copy_p", "name", "pad", "concatenate", "gather")
+# (`name`: `checkpoint_name`.)
+# The copies of logits a softmax may take: a cast, a mask (`where=`).
+_ALIAS_OPS = ("convert_element_type", "select_n", "reduce_precision")
 # The ops between a softmax's `x - max` and its `exp`.
 _SHIFT_TO_EXP = ("convert_element_type", "broadcast_in_dim", "reshape", "transpose", "select_n", "reduce_precision")
 # The ops between an FP8 value and the matmul that takes it dequantized (`convert(f8) * scale`, reshaped).
@@ -86,8 +89,8 @@ def _is_library(filename: str) -> bool:
     if filename.startswith(_JAXAMP):
         return not filename.startswith(_JAXAMP_APP)
     return filename.startswith(_LIBRARIES)
-_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call",
-          "custom_vjp_call_jaxpr", "custom_lin")
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
+          "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
 
 
 class PrecisionWarning(UserWarning):
@@ -236,17 +239,27 @@ class _Walk:
                     for outer, inner in zip(eqn.outvars, sub.outvars):
                         if hasattr(inner, "aval") and not hasattr(inner, "val"):
                             self.producer.setdefault(("alias", id(outer)), inner)
-                            self.consumers.setdefault(("exit", id(inner)), []).append(outer)
                     for outer, inner in zip(eqn.invars[len(eqn.invars) - len(sub.invars):], sub.invars):
                         self.producer.setdefault(("input", id(inner)), outer)
-                        if _is_var(outer):
-                            self.consumers.setdefault(("enter", id(outer)), []).append(inner)
+                self._link(eqn, sub)
                 outer = self.backward, self.prefix, self.calls
                 self.backward = _pass(eqn, self.backward) == "backward"
                 self.prefix = (*self.prefix, *_names(eqn))
                 self.calls = (*self.calls, eqn) if name in _CALLS else self.calls
                 self.visit(sub, trips * inner_trips, compute_half)
                 self.backward, self.prefix, self.calls = outer
+
+    def _link(self, eqn, sub) -> None:
+        """`consumers`' links between `eqn`'s operands and results and the inputs and outputs of its sub-program
+        `sub` where they line up one to one (calls; scan: consts, carry, xs -> carry, ys; while's body; cond's
+        branches, the index aside)."""
+        if len(sub.outvars) == len(eqn.outvars):
+            for outer, inner in zip(eqn.outvars, sub.outvars):
+                if _is_var(inner):
+                    self.consumers.setdefault(("exit", id(inner)), []).append(outer)
+        for outer, inner in zip(eqn.invars[len(eqn.invars) - len(sub.invars):], sub.invars):
+            if _is_var(outer):
+                self.consumers.setdefault(("enter", id(outer)), []).append(inner)
 
     def where(self, eqn) -> tuple[str, str, str]:
         """`(source, library, callers)` of `eqn` (`_where`, `_callers`). The body of a nested jit is traced with a
@@ -279,30 +292,49 @@ class _Walk:
             if self.first_fallback is None:
                 self.first_fallback = (row, eqn)
 
-    def feeds_softmax(self, var, depth: int = 24) -> bool:
+    def feeds_softmax(self, var, sizes=None, depth: int = 24) -> bool:
         """Whether `var` reaches a softmax's input (`log_softmax`, `softmax`, `logsumexp`, optax's cross-entropies:
         `x` taken by a `reduce_max` and by the `x - max` that goes to `exp`) through elementwise and shape ops and
-        call boundaries only (no other matmul, normalisation or reduction), at most `depth` ops on."""
-        frontier, seen = [(var, depth)], set()
+        call, scan and cond boundaries only (no other matmul, normalisation or reduction), at most `depth` ops on;
+        with `sizes`, a softmax over an axis of one of those sizes (the classes a weight's output features make)."""
+        frontier, seen = [(var, depth, sizes)], set()
         while frontier:
-            v, left = frontier.pop()
+            v, left, sizes = frontier.pop()
             if left == 0 or id(v) in seen:
                 continue
             seen.add(id(v))
-            if self._softmax_input(v):
+            if self._softmax_input(v, sizes):
                 return True
-            frontier += [(w, left - 1) for w in self.consumers.get(("exit", id(v)), [])]
-            frontier += [(w, left - 1) for w in self.consumers.get(("enter", id(v)), [])]
-            frontier += [(w, left - 1) for eqn in self.consumers.get(id(v), [])
-                         if eqn.primitive.name in _LOGIT_PATH for w in eqn.outvars]
+            frontier += [(w, left - 1, sizes) for w in self.consumers.get(("exit", id(v)), [])]
+            frontier += [(w, left - 1, sizes) for w in self.consumers.get(("enter", id(v)), [])]
+            frontier += [(w, left - 1, None if eqn.primitive.name in ("pad", "concatenate") else sizes)
+                         for eqn in self.consumers.get(id(v), []) if eqn.primitive.name in _LOGIT_PATH
+                         for w in eqn.outvars]  # (padded or joined logits: their axis is no longer the weight's)
         return False
 
-    def _softmax_input(self, var) -> bool:
-        """`var` is a softmax's input: a `reduce_max` takes it, and a `sub` of it reaches an `exp` within 3 ops."""
-        takers = self.consumers.get(id(var), [])
-        if not any(e.primitive.name == "reduce_max" for e in takers):
+    def _aliases(self, var) -> list:
+        """`var` and its copies a softmax may take instead: casts (autocast's float32 cast before `logsumexp`'s
+        `x - max`), masks (`where=`: `select_n`) and call boundaries (a jitted `_where`)."""
+        out, todo = [var], [var]
+        while todo and len(out) < 16:
+            v = todo.pop()
+            more = [w for e in self.consumers.get(id(v), []) if e.primitive.name in _ALIAS_OPS for w in e.outvars]
+            more += self.consumers.get(("enter", id(v)), []) + self.consumers.get(("exit", id(v)), [])
+            more = [w for w in more if all(w is not u for u in out)]
+            out += more
+            todo += more
+        return out
+
+    def _softmax_input(self, var, sizes=None) -> bool:
+        """`var` is a softmax's input: a `reduce_max` takes it (or a copy, `_aliases`; over an axis of one of
+        `sizes`, if given), and a `sub` of it reaches an `exp` within 3 ops."""
+        copies = self._aliases(var)
+        takers = [e for v in copies for e in self.consumers.get(id(v), [])]
+        if not any(e.primitive.name == "reduce_max" and (sizes is None or any(
+                e.invars[0].aval.shape[a] in sizes for a in e.params.get("axes", ()))) for e in takers):
             return False
-        frontier = [(out, 3) for e in takers if e.primitive.name == "sub" and e.invars[0] is var for out in e.outvars]
+        frontier = [(out, 3) for e in takers if e.primitive.name == "sub" and any(e.invars[0] is v for v in copies)
+                    for out in e.outvars]
         while frontier:
             v, left = frontier.pop()
             takers = self.consumers.get(id(v), [])
@@ -564,10 +596,11 @@ class PrecisionReport:
         if head["lhs"].startswith("float8"):
             spec = _add_pattern(self.policy, "fp8_exclude", pattern)
             spec = _add_pattern(spec, "float32_results", pattern) if self.float32_results else spec
-            return (f"the output head {head['weight']} at {head['source']} runs in FP8 into a softmax: policy "
-                    f"'{spec}' keeps it out")
-        return (f"the output head {head['weight']} at {head['source']} writes {head['out']} logits into a softmax: "
-                f"policy '{_add_pattern(self.policy, 'float32_results', pattern)}' keeps them float32")
+            return (f"the output head {head['weight']} at {head['source']} runs in FP8 into a softmax (a head, or a "
+                    f"router, no pattern names): policy '{spec}' keeps it out")
+        return (f"the output head {head['weight']} at {head['source']} writes {head['out']} logits into a softmax (a "
+                f"head, or a router, no pattern names): policy "
+                f"'{_add_pattern(self.policy, 'float32_results', pattern)}' keeps them float32")
 
     def __str__(self) -> str:
         """The summary, then the matmuls grouped by where they come from and their weight, its layer numbers as `*`
@@ -601,6 +634,20 @@ class PrecisionReport:
 
 _NO_FP8 = ("the policy asks for FP8 but no matmul ran in FP8 (FP8 covers weight matmuls, dot_general: convolutions "
            "and activation x activation matmuls stay in the compute dtype; fp8_exclude keeps the output head out)")
+
+
+def _class_sizes(eqn) -> set | None:
+    """The sizes a head's softmax axis may have: a `dot_general`'s output features, the free dimensions (size > 1)
+    of an operand of rank 2 or less (a weight; not an attention pooling's `Dense(1)` scorer, whose softmax runs over
+    the sequence); None (any) for a convolution."""
+    if eqn.primitive.name != "dot_general":
+        return None
+    (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+    sizes = set()
+    for v, used in ((eqn.invars[0], (*contract_l, *batch_l)), (eqn.invars[1], (*contract_r, *batch_r))):
+        if len(v.aval.shape) <= 2:
+            sizes |= {n for d, n in enumerate(v.aval.shape) if d not in used and n > 1}
+    return sizes
 
 
 def _add_pattern(policy: str, rule: str, pattern: str) -> str:
@@ -673,7 +720,8 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
     fallbacks = [dict(r) for r in walk.rows if compute_half and not (_is_half(r["lhs"]) and _is_half(r["rhs"]))]
     half_logits = [dict(r) for r, eqn in zip(walk.rows, walk.eqns)
                    if autocast and r["pass"] == "forward" and r["weight"]
-                   and (_is_half(r["out"]) or r["lhs"].startswith("float8")) and walk.feeds_softmax(eqn.outvars[0])]
+                   and (_is_half(r["out"]) or r["lhs"].startswith("float8"))
+                   and walk.feeds_softmax(eqn.outvars[0], _class_sizes(eqn))]
     if fallbacks:
         row, eqn = walk.first_fallback
         fallbacks[0]["cause"] = walk.cause(eqn)

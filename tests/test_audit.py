@@ -426,8 +426,8 @@ def test_the_audit_says_when_no_matmul_writes_float32_logits_and_which_pattern_d
         return precision_audit(state, batch, loss_fn)
 
     plain = audit("bf16;autocast")  # the head, found by the softmax it feeds: the pattern that names it
-    assert ("writes bfloat16 logits into a softmax: policy 'bf16;autocast;float32_results+=^output_layer\\.kernel$' "
-            "keeps them") in plain.summary()
+    assert ("writes bfloat16 logits into a softmax (a head, or a router, no pattern names): policy "
+            "'bf16;autocast;float32_results+=^output_layer\\.kernel$' keeps them") in plain.summary()
     assert {r["out"] for r in plain.rows} == {"bfloat16"}
 
     def squared_error(params, batch, rng):  # no softmax: no head found, the general note
@@ -485,8 +485,9 @@ def test_a_head_without_a_usual_name_is_found_by_its_softmax_and_the_warning_nam
     for policy, dtype in (("bf16;autocast", "bfloat16"), ("fp16;autocast", "float16")):
         report = precision_audit(state(policy), batch, loss)
         assert [r["weight"] for r in report.half_logits] == ["out_proj.kernel"]
-        assert (f"the output head out_proj.kernel at test_audit.py:{line} writes {dtype} logits into a softmax: "
-                f"policy '{policy};float32_results+=^out_proj\\.kernel$' keeps them float32") in report.summary()
+        assert (f"the output head out_proj.kernel at test_audit.py:{line} writes {dtype} logits into a softmax (a "
+                f"head, or a router, no pattern names): policy '{policy};float32_results+=^out_proj\\.kernel$' keeps "
+                "them float32") in report.summary()
     fixed = precision_audit(state("bf16;autocast;float32_results+=^out_proj$"), batch, loss)
     assert fixed.half_logits == () and "output head" not in fixed.summary()
     assert [r["out"] for r in fixed.rows if r["weight"] == "out_proj.kernel" and r["pass"] == "forward"] == ["float32"]
@@ -495,8 +496,8 @@ def test_a_head_without_a_usual_name_is_found_by_its_softmax_and_the_warning_nam
     assert len(opted_out.half_logits) == 1 and "output head" not in opted_out.summary()
     fp8 = precision_audit(state("fp8-current"), batch, loss)
     assert [(r["weight"], r["lhs"]) for r in fp8.half_logits] == [("out_proj.kernel", "float8_e4m3fn")]
-    assert ("runs in FP8 into a softmax: policy 'fp8-current;fp8_exclude+=^out_proj\\.kernel$;"
-            "float32_results+=^out_proj\\.kernel$' "
+    assert ("runs in FP8 into a softmax (a head, or a router, no pattern names): policy "
+            "'fp8-current;fp8_exclude+=^out_proj\\.kernel$;float32_results+=^out_proj\\.kernel$' "
             "keeps it out") in fp8.summary()
     # a policy that already adds patterns: the suggestion extends its rules (a rule given twice is refused)
     given = "bf16;autocast;float32_results+=^decoder$"
@@ -553,3 +554,59 @@ def test_a_convolution_head_is_found_and_the_suggested_policy_makes_its_logits_f
             if r["weight"] == "seg_out.kernel"]
     assert head[0] == ("forward", "bfloat16", "bfloat16", "float32", r"^seg_out\.kernel$")
     assert [row[1:4] for row in head[1:]] == [("bfloat16", "bfloat16", "bfloat16")] * 2  # its backward in bf16
+
+
+
+@pytest.mark.slow  # 6 s: eight audits
+def test_a_bias_free_head_is_found_through_the_usual_losses_and_a_pooling_softmax_is_not_a_head():
+    """Without a bias, autocast's float32 cast sits between the logits and `logsumexp`'s `x - max` (and a `where=`
+    mask between them and the max): the head is still found; an attention pooling's softmax over the sequence (a
+    `Dense(1)` scorer) is not a head; a head inside `nn.scan` (a cell emitting logits each step) is found."""
+    class LM(nn.Module):
+        pool: bool = False
+
+        @nn.compact
+        def __call__(self, ids):  # i32[batch, seq] -> f32[batch, seq, 16] (or f32[batch, 16] pooled)
+            x = nn.relu(nn.Dense(8)(nn.Embed(16, 8)(ids)))
+            if self.pool:
+                weights = jax.nn.softmax(nn.Dense(1, name="score")(x)[..., 0], axis=-1)  # f32[batch, seq]
+                x = jnp.einsum("bs,bsd->bd", weights, x)
+            return nn.Dense(16, use_bias=False, name="proj_out")(x)
+
+    class Cell(nn.Module):
+        @nn.compact
+        def __call__(self, h, x):  # h: f32[batch, 8], x: f32[batch, 8]
+            h = jnp.tanh(nn.Dense(8, name="rec")(h) + x)
+            return h, nn.Dense(16, use_bias=False, name="proj_out")(h)
+
+    class ScanLM(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            xs = nn.Embed(16, 8)(ids).swapaxes(0, 1)  # f32[seq, batch, 8]
+            scan = nn.scan(Cell, variable_broadcast="params", split_rngs={"params": False})
+            return scan()(jnp.zeros(xs.shape[1:]), xs)[1].swapaxes(0, 1)  # f32[batch, seq, 16]
+
+    ids = jnp.arange(24).reshape(3, 8) % 16
+    losses = {
+        "integer labels": lambda logits: optax.softmax_cross_entropy_with_integer_labels(logits, ids).mean(),
+        "logsumexp": lambda logits: jnp.mean(jax.nn.logsumexp(logits, axis=-1) - logits[..., 0]),
+        "log_softmax where=": lambda logits: -jnp.mean(jax.nn.log_softmax(logits, where=jnp.arange(16) < 12)[..., 0]),
+    }
+    for model, named in [(LM(), losses), (ScanLM(), {"integer labels": losses["integer labels"]})]:
+        params = model.init(jax.random.key(0), ids)["params"]
+        for name, of_logits in named.items():
+            for policy in ("bf16;autocast", "fp8-current"):
+                state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy,
+                                          loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+                report = precision_audit(state, {"ids": ids},
+                                         lambda p, b, rng, m=model, f=of_logits: f(m.apply({"params": p}, b["ids"])))
+                found = [r["weight"] for r in report.half_logits]
+                expected = "proj_out.kernel" if isinstance(model, LM) else "ScanCell_0.proj_out.kernel"
+                assert found == [expected], (name, policy, found)
+    pooled = LM(pool=True)
+    params = pooled.init(jax.random.key(0), ids)["params"]
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16;autocast;float32_results+=^proj_out$",
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+    report = precision_audit(state, {"ids": ids}, lambda p, b, rng: optax.softmax_cross_entropy_with_integer_labels(
+        pooled.apply({"params": p}, b["ids"]), ids[:, 0]).mean())
+    assert report.half_logits == () and "output head" not in report.summary()
