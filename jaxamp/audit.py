@@ -39,7 +39,7 @@ from jax._src import source_info_util
 from jaxamp.autocast_rules import exclusion_names, weight_path
 from jaxamp.autocasting import FLOAT32_RESULTS
 from jaxamp.fp8_recipes import FP8_EXCLUDE, FP8_SCOPE
-from jaxamp.gradients import gradients
+from jaxamp.gradients import check_loss_args, gradients
 from jaxamp.precision import fp8_recipe, policy_name, uses_autocast, uses_fp8
 
 PyTree = Any
@@ -844,6 +844,8 @@ def precision_audit(state, batch: PyTree, loss_fn, *, accum_steps: int = 1, carr
         return gradients(state, batch, loss_fn, state.loss_scale, rng, accum_steps, False, carry).grads
 
     carry = getattr(state, "model_state", None) if carry is None else carry
+    check_loss_args(loss_fn, ("params", "batch", "rng") + (() if carry is None else ("model_state",)),
+                    "precision_audit")
     closed = jax.make_jaxpr(grads)(state, batch, carry)
     return audit_jaxpr(closed, policy=policy_name(state.policy), compute_dtype=state.policy.compute_dtype,
                        fp8_exclude=_fp8_exclude(state.policy), autocast=uses_autocast(state.policy),

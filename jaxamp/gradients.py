@@ -8,6 +8,7 @@ A stateful loss (`jaxamp.nnx`'s BatchNorm statistics and RNG counts) runs throug
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -300,3 +301,23 @@ def _initial_stats(train_c: PyTree, with_stats: bool):
 def _combine_stats(acc: dict, new: dict) -> dict:
     """Running sums of zero fractions and minima of headroom over micro-batches."""
     return {k: jax.tree.map(jnp.add if "zero" in k else jnp.minimum, acc[k], new[k]) for k in acc}
+
+
+def check_loss_args(loss_fn, loss_args: tuple[str, ...], caller: str) -> None:
+    """A TypeError, before any tracing, when `loss_fn` cannot be called with `len(loss_args)` positional arguments
+    (`("params", "batch", "rng")`: a `loss_fn(params, batch)` without the rng); the message names the call and
+    the fix. Functions whose signature Python cannot read pass."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*loss_args)
+    except TypeError as err:
+        call = f"loss_fn({', '.join(loss_args)})"
+        fix = {"rng": "; take the rng even if it goes unused (def loss_fn(params, batch, rng=None)): eval_step "
+                      "passes rng=None",
+               "model_state": "; with model_state= it also takes the model state and returns (loss, "
+                              "new_model_state)"}.get(loss_args[-1], "")
+        raise TypeError(f"{caller} calls {call}, but {getattr(loss_fn, '__name__', 'loss_fn')}{signature} cannot "
+                        f"take it ({err}){fix}") from None

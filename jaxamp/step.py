@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +13,15 @@ import optax
 from jaxamp import audit, finite
 from jaxamp import fp8_collection as fp8c
 from jaxamp.fp8_collection import merge_fp8, split_fp8
-from jaxamp.gradients import LossFn, compute_loss, gradients, split_loss, split_stateful, traced_gradients
+from jaxamp.gradients import (
+    LossFn,
+    check_loss_args,
+    compute_loss,
+    gradients,
+    split_loss,
+    split_stateful,
+    traced_gradients,
+)
 from jaxamp.metrics import step_metrics
 from jaxamp.state import TrainState
 from jaxamp.trainable import merge_frozen, split_frozen
@@ -293,26 +300,6 @@ def check_options(loss_fn, accum_steps: int, *, max_retries: int = 0, on_overflo
     except TypeError:
         raise ValueError(f"axis_name must be the name of a mapped axis (a string, e.g. 'batch' of "
                          f"jax.pmap(..., axis_name='batch')) or None, got {type(axis_name).__name__}") from None
-
-
-def check_loss_args(loss_fn, loss_args: tuple[str, ...], caller: str) -> None:
-    """A TypeError, before any tracing, when `loss_fn` cannot be called with `len(loss_args)` positional arguments
-    (`("params", "batch", "rng")`: a `loss_fn(params, batch)` without the rng); the message names the call and
-    the fix. Functions whose signature Python cannot read pass."""
-    try:
-        signature = inspect.signature(loss_fn)
-    except (TypeError, ValueError):
-        return
-    try:
-        signature.bind(*loss_args)
-    except TypeError as err:
-        call = f"loss_fn({', '.join(loss_args)})"
-        fix = {"rng": "; take the rng even if it goes unused (def loss_fn(params, batch, rng=None)): eval_step "
-                      "passes rng=None",
-               "model_state": "; with model_state= it also takes the model state and returns (loss, "
-                              "new_model_state)"}.get(loss_args[-1], "")
-        raise TypeError(f"{caller} calls {call}, but {getattr(loss_fn, '__name__', 'loss_fn')}{signature} cannot "
-                        f"take it ({err}){fix}") from None
 
 
 def eval_step(state: TrainState, batch: PyTree, loss_fn: LossFn) -> dict:

@@ -152,8 +152,9 @@ def test_the_audit_and_the_fidelity_check_take_the_model_state_as_train_step_doe
     assert [k for k, v in fid["near_zero"].items() if bool(v)] == ["Dense_0/bias"]
     assert all(0.0 < float(errs[k]) < 0.02 and 0.0 < float(fid["noise_floor"][k]) < 0.01
                for k in errs if k != "Dense_0/bias")
-    with pytest.raises(TypeError, match="model_state"):  # a stateless loss with model_state: train_step's message
-        fidelity.grad_fidelity(state, batch, lambda params, batch, rng: 0.0)
+    for check in (fidelity.grad_fidelity, jaxamp.precision_audit):  # a stateless loss with model_state: one line
+        with pytest.raises(TypeError, match=r"calls loss_fn\(params, batch, rng, model_state\), but <lambda>"):
+            check(state, batch, lambda params, batch, rng: 0.0)
 
 # ---- a hand-written step around Flax's own TrainState ---------------------------------------------------------------
 
