@@ -57,6 +57,15 @@ def make_state(policy="fp8-current", loss_scale=None):
                              loss_scale=loss_scale or NoOpLossScale(), rng=jax.random.key(1))
 
 
+def precision_warnings(state, batches, loss):
+    """`(state, messages)`: `STEP` over `batches`, and the `PrecisionWarning`s it raised (every one recorded)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in batches:
+            state, _ = STEP(state, batch, loss)
+    return state, [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+
+
 def fp8_rows(report) -> collections.Counter:
     return collections.Counter((r["pass"], r["lhs"], r["rhs"]) for r in report.rows)
 
@@ -350,11 +359,7 @@ def test_an_exclusion_that_matches_nothing_warns_once_per_compilation_and_rows_n
 
     state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="fp8-current;fp8_exclude+=^blokc_0$",
                               loss_scale=NoOpLossScale(), rng=jax.random.key(1))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i in range(3):
-            state, _ = STEP(state, make_batch(i), named_loss)
-    found = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+    state, found = precision_warnings(state, [make_batch(i) for i in range(3)], named_loss)
     assert len(found) == 1 and "the fp8_exclude patterns ^blokc_0$ match no matmul (a typo?" in found[0], found
     assert "autocast" not in found[0].split("lists every op")[1]  # no float32 advice: nothing fell back
     rows = precision_audit(state, make_batch(0), named_loss).rows
@@ -388,16 +393,12 @@ def test_an_fp8_policy_that_runs_no_matmul_in_fp8_says_so_and_warns_once(spec):
     report = precision_audit(state, batch(0), conv_loss)
     assert report.fp8 and report.half_fraction == 1.0 and report.fp8_fraction == 0.0
     assert "(0.0% in FP8); the policy asks for FP8 but no matmul ran in FP8" in report.summary()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i in range(3):
-            state, _ = STEP(state, batch(i), conv_loss)
-    found = [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+    state, found = precision_warnings(state, [batch(i) for i in range(3)], conv_loss)
     assert len(found) == 1 and "asks for FP8 but no matmul ran in FP8 (FP8 covers weight matmuls" in found[0], found
     # the same model under bf16 autocast: no FP8 asked, none reported, no warning
     bf16 = state.replace(policy=get_policy("bf16", autocast=True))
-    assert not precision_audit(bf16, batch(0), conv_loss).fp8
-    assert "in FP8" not in precision_audit(bf16, batch(0), conv_loss).summary()
+    report = precision_audit(bf16, batch(0), conv_loss)
+    assert not report.fp8 and "in FP8" not in report.summary()
 
 
 def test_equinox_attention_is_not_excluded_by_the_default_head_pattern():
