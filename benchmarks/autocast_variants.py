@@ -50,7 +50,15 @@ from jax import lax  # noqa: E402
 
 import jaxamp  # noqa: E402
 from benchmarks import harness  # noqa: E402
-from benchmarks.autocast_models import Runner, each_trial, gradient_row, loss_gap, noise_cells, worst_cell  # noqa: E402
+from benchmarks.autocast_models import (  # noqa: E402
+    Runner,
+    each_trial,
+    gradient_row,
+    loss_gap,
+    noise_cells,
+    seed_cells,
+    worst_cell,
+)
 from jaxamp import autocast_rules  # noqa: E402
 
 DEFAULT_OUT = harness.RESULTS / "autocast_variants.md"
@@ -133,9 +141,12 @@ def variant(name: str):
 
 
 def measure(name: str, steps: int, seeds: int) -> dict:
-    fp32 = Runner(name, "fp32", jaxamp.NoOpLossScale()).losses(steps)
-    noise = Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16).losses(steps)
-    floor = loss_gap(noise, fp32)
+    """Each rule's gradients on `seeds` batches and its `steps`-step loss gap to float32 on `seeds` draws of the
+    data, each draw's gap over that draw's own float32 noise (autocast_models.py's paired statistic)."""
+    draws = range(max(seeds, 1))
+    fp32 = [Runner(name, "fp32", jaxamp.NoOpLossScale()).losses(steps, seed=k) for k in draws]
+    noise = [loss_gap(Runner(name, "fp32", jaxamp.NoOpLossScale(), rounded_to=jnp.bfloat16).losses(steps, seed=k),
+                      fp32[k]) for k in draws]
     rows = {}
     for v in VARIANTS:
         with variant(v):
@@ -143,9 +154,10 @@ def measure(name: str, steps: int, seeds: int) -> dict:
             fidelity = runner.fidelity()
             per_seed = [gradient_row(fidelity)["within"],
                         *(gradient_row(runner.fidelity(seed=k))["within"] for k in range(1, seeds))]
-            gap = loss_gap(runner.losses(steps), fp32)
-        rows[v] = {"grads": gradient_row(fidelity), "gap": gap, "noise": floor, "leaves": leaf_errors(fidelity),
-                   "per_seed": per_seed}
+            gaps = [loss_gap((runner if k == 0 else Runner(name, POLICY, jaxamp.NoOpLossScale())).losses(
+                steps, seed=k), fp32[k]) for k in draws]  # each draw from the weights at init
+        rows[v] = {"grads": gradient_row(fidelity), "gap": gaps[0], "noise": noise[0],
+                   "leaves": leaf_errors(fidelity), "per_seed": per_seed, "seed_gaps": gaps, "seed_noise": noise}
     return rows
 
 
@@ -176,10 +188,12 @@ def report(rows: dict, steps: int, argv) -> str:
         for v, p in variants.items():
             g = p["grads"]
             table.append([name, v, f"{g['within']}/{g['counted']}", " ".join(map(str, p["per_seed"])),
-                          worst_cell(g), f"{p['gap']:.2e}", f"{p['noise']:.2e}", *noise_cells(p["gap"], p["noise"])])
+                          worst_cell(g), f"{p['gap']:.2e}", f"{p['noise']:.2e}", *noise_cells(p["gap"], p["noise"]),
+                          *seed_cells(p["seed_gaps"], p["seed_noise"])[:3]])
     lines += harness.table(["model", "matmul rule", "leaves within max(2%, 1.5x floor)", "per data seed",
                             "worst leaf (error / its noise floor)", "loss gap to fp32 (mean abs)", "fp32's own noise",
-                            "ratio", "within noise (<= 1.5)"], table, "llrrlrrrl")
+                            "ratio", "within noise (<= 1.5)", "data seeds: gap / fp32's noise, per seed",
+                            "paired median", "within (<= 1.5)"], table, "llrrlrrrllrl")
     lines += ["", "`autocast`: jaxamp's rule (bfloat16 results and gradients); `f32-grads`: the gradients of operands "
               "narrowed from float32 out of their GEMMs in float32; `f32-results`: also the matmul results in "
               "float32; `operands-only`: only the forward GEMMs' operands rounded to bfloat16, everything else "
@@ -189,7 +203,8 @@ def report(rows: dict, steps: int, argv) -> str:
               "monotone in the rounding). Yardsticks as in autocast_models.md "
               "(fp32's own noise: float32 from the weights rounded once to bfloat16). Per data seed: the leaves within "
               "on the first batch of each of autocast_models.py's data draws (seed 0: the trial's own batch), each "
-              "with its own noise floors.", "",
+              "with its own noise floors. Data seeds: each rule's loss gap on each draw over that draw's own float32 "
+              "noise, and their median (autocast_models.py's paired statistic; seed 0: the ratio column).", "",
               "The leaves outside their bound (max(2%, 1.5x floor)) under `autocast`, and their error under each "
               "rule:", "", *(outside_lines(rows) or ["- none"])]
     return "\n".join(lines) + "\n"
@@ -200,8 +215,8 @@ def main(argv=None) -> int:
     parser.add_argument("--trials", nargs="*", default=TRIAL_NAMES, choices=TRIAL_NAMES)
     parser.add_argument("--steps", type=int, default=40, help="training steps per run (default: %(default)s)")
     parser.add_argument("--seeds", type=int, default=5,
-                        help="batches the per-leaf count is also taken on, the trial's own first (default: "
-                             "%(default)s)")
+                        help="batches the per-leaf count is taken on and draws of the data the loss gap is taken "
+                             "on, the trial's own first (default: %(default)s)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     harness.check_output(parser, "--out", args.out)
