@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import source_info_util
 
-from jaxamp.autocast_rules import exclusion_names, weight_path
+from jaxamp.autocast_rules import ONE_HOT_PRESERVING, exclusion_names, weight_path
 from jaxamp.autocasting import FLOAT32_RESULTS
 from jaxamp.fp8_recipes import FP8_EXCLUDE, FP8_SCOPE
 from jaxamp.gradients import check_loss_args, gradients
@@ -119,8 +119,18 @@ def _where(eqn) -> tuple[str, str]:
                      else name.split(os.sep + "site-packages" + os.sep)[-1])
             library = f"{short}:{frame.function_name}"
             continue
-        return f"{os.path.basename(name)}:{frame.start_line}", library
+        return f"{_short_file(name)}:{frame.start_line}", library
     return library or "?", library  # no user frame (a backward op of library code): the library's entry point
+
+
+def _short_file(name: str) -> str:
+    """A user frame's file as the audit writes it: the base name (`models.py`), or for a file of an installed
+    package its path in the package (`jraph/_src/models.py`: a library the audit does not know, which would read as
+    the user's own `models.py`)."""
+    for packages in (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep):
+        if packages in name:
+            return name.split(packages)[-1]
+    return os.path.basename(name)
 
 
 def _fp8_formats(eqn) -> tuple[str, str] | None:
@@ -218,7 +228,8 @@ class _Walk:
     first_fallback: Any = None
     backward: bool = False  # visiting the body of a backward (transposed) scan, while or call
     prefix: tuple = ()  # the names of the equations whose sub-programs are being visited
-    calls: tuple = ()  # the call equations (nested jits, ...) whose bodies are being visited, outermost first
+    # the equations (nested jits, scans, loops, conds, ...) whose sub-programs are being visited, outermost first
+    calls: tuple = ()
     held_by: dict = dataclasses.field(default_factory=dict)  # id(equation) -> the `calls` it was visited in
 
     def visit(self, jaxpr, trips: int, compute_half: bool) -> None:
@@ -245,7 +256,7 @@ class _Walk:
                 outer = self.backward, self.prefix, self.calls
                 self.backward = _pass(eqn, self.backward) == "backward"
                 self.prefix = (*self.prefix, *_names(eqn))
-                self.calls = (*self.calls, eqn) if name in _CALLS else self.calls
+                self.calls = (*self.calls, eqn)
                 self.visit(sub, trips * inner_trips, compute_half)
                 self.backward, self.prefix, self.calls = outer
 
@@ -262,10 +273,10 @@ class _Walk:
                 self.consumers.setdefault(("enter", id(outer)), []).append(inner)
 
     def where(self, eqn) -> tuple[str, str, str]:
-        """`(source, library, callers)` of `eqn` (`_where`, `_callers`). The body of a nested jit is traced with a
-        traceback that ends at the jitted function: where that holds no user frame (a library's jit, such as
-        `jaxamp.attention`'s), the source is the call's, the library the call's entry point, and the callers go on
-        with the call's."""
+        """`(source, library, callers)` of `eqn` (`_where`, `_callers`). The body of a nested jit, a scan, a loop
+        or a cond is traced with a traceback that ends at the function traced: where that holds no user frame (a
+        library's jit, such as `jaxamp.attention`'s, or scan, such as `nn.RNN`'s over `nn.LSTMCell`), the source is
+        the enclosing equation's, the library its entry point, and the callers go on with its."""
         source, library = _where(eqn)
         callers = [_callers(eqn)]
         for call in reversed(self.held_by.get(id(eqn), ())):
@@ -284,19 +295,22 @@ class _Walk:
                "out": _dtype(eqn.outvars[0]), "flops": _matmul_flops(eqn) * trips, "trips": trips,
                "pass": _pass(eqn, self.backward),
                "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}",
-               "scope": "/".join(_scope(names)), "callers": callers, "weight": weight_path(names)}
+               "scope": "/".join(_scope(names)), "callers": callers, "weight": weight_path(names),
+               "selection": any(self._one_hot(v, 8) for v in eqn.invars[:2])}
         self.rows.append(row)
         self.eqns.append(eqn)
         self.names.append(names)
-        if compute_half and not (_is_half(lhs) and _is_half(rhs)):
+        if compute_half and not (_is_half(lhs) and _is_half(rhs)) and not row["selection"]:
             if self.first_fallback is None:
                 self.first_fallback = (row, eqn)
 
-    def feeds_softmax(self, var, sizes=None, depth: int = 24) -> bool:
+    def feeds_softmax(self, var, sizes=None, depth: int = 24) -> str:
         """Whether `var` reaches a softmax's input (`log_softmax`, `softmax`, `logsumexp`, optax's cross-entropies:
-        `x` taken by a `reduce_max` and by the `x - max` that goes to `exp`) through elementwise and shape ops and
-        call, scan and cond boundaries only (no other matmul, normalisation or reduction), at most `depth` ops on;
-        with `sizes`, a softmax over an axis of one of those sizes (the classes a weight's output features make)."""
+        `x` taken by a `reduce_max` and by the `x - max` that goes to `exp`) or a log-sigmoid's (binary and
+        multi-label losses: `_log_sigmoid_input`) through elementwise and shape ops and call, scan and cond
+        boundaries only (no other matmul, normalisation or reduction), at most `depth` ops on; with `sizes`, a
+        softmax over an axis of one of those sizes (the classes a weight's output features make). Returns
+        `"softmax"`, `"log-sigmoid"` or `""` (neither)."""
         frontier, seen = [(var, depth, sizes)], set()
         while frontier:
             v, left, sizes = frontier.pop()
@@ -304,13 +318,15 @@ class _Walk:
                 continue
             seen.add(id(v))
             if self._softmax_input(v, sizes):
-                return True
+                return "softmax"
+            if self._log_sigmoid_input(v):
+                return "log-sigmoid"
             frontier += [(w, left - 1, sizes) for w in self.consumers.get(("exit", id(v)), [])]
             frontier += [(w, left - 1, sizes) for w in self.consumers.get(("enter", id(v)), [])]
             frontier += [(w, left - 1, None if eqn.primitive.name in ("pad", "concatenate") else sizes)
                          for eqn in self.consumers.get(id(v), []) if eqn.primitive.name in _LOGIT_PATH
                          for w in eqn.outvars]  # (padded or joined logits: their axis is no longer the weight's)
-        return False
+        return ""
 
     def _aliases(self, var) -> list:
         """`var` and its copies a softmax may take instead: casts (autocast's float32 cast before `logsumexp`'s
@@ -343,6 +359,30 @@ class _Walk:
             if left > 1:
                 frontier += [(w, left - 1) for e in takers if e.primitive.name in _SHIFT_TO_EXP for w in e.outvars]
                 frontier += [(w, left - 1) for w in self.consumers.get(("enter", id(v)), [])]
+        return False
+
+    def _log_sigmoid_input(self, var) -> bool:
+        """`var` is a log-sigmoid's input (`jax.nn.log_sigmoid`, `nn.log_sigmoid`, optax's
+        `sigmoid_binary_cross_entropy`: `-softplus(-x)`): a `neg` of it (or of a copy) whose result, through casts
+        and call boundaries, is a softplus's input (`logaddexp(y, 0)`: `max(y, 0)`, and `y - 0` into `abs`, `neg`,
+        `exp`). A softplus of `x` itself (Mamba's step size, a positive scale) is not a loss's."""
+        negated = [w for v in self._aliases(var) for e in self.consumers.get(id(v), [])
+                   if e.primitive.name == "neg" for w in e.outvars]
+        return any(self._softplus_input(u) for w in negated for u in self._aliases(w))
+
+    def _softplus_input(self, var) -> bool:
+        takers = self.consumers.get(id(var), [])
+        if not any(e.primitive.name == "max" for e in takers):
+            return False
+        frontier = [(out, 5) for e in takers if e.primitive.name == "sub" and e.invars[0] is var for out in e.outvars]
+        while frontier:
+            v, left = frontier.pop()
+            takers = self.consumers.get(id(v), [])
+            if any(e.primitive.name == "exp" for e in takers):
+                return True
+            if left > 1:
+                frontier += [(w, left - 1) for e in takers if e.primitive.name in ("abs", "neg", *_SHIFT_TO_EXP)
+                             for w in e.outvars]
         return False
 
     def _dequantized(self, eqn) -> tuple[str, str] | None:
@@ -440,6 +480,21 @@ class _Walk:
             frontier.extend(v for v in floats if _dtype(v) == "float32")
         return promotion or "no half-precision value reached it (the model computes in float32 there)"
 
+    def _one_hot(self, var, depth: int) -> bool:
+        """Whether `var` holds a one-hot array (`convert` of a boolean, through shape ops, casts and call boundaries,
+        at most `depth` ops back): a matmul that takes it is a selection (`autocast_rules.selection_rule`)."""
+        if depth == 0 or not _is_var(var):
+            return False
+        step = self._through_calls(var)
+        if step is not None:
+            return self._one_hot(step, depth - 1)
+        maker = self.producer.get(id(var))
+        if maker is None or maker.primitive.name not in ONE_HOT_PRESERVING or not maker.invars:
+            return False
+        if maker.primitive.name == "convert_element_type" and _dtype(maker.invars[0]) == "bool":
+            return True
+        return self._one_hot(maker.invars[0], depth - 1)
+
     def _through_calls(self, var):
         """The variable `var` stands for across a call boundary (a call's output -> the inner program's output; an
         inner program's input -> the call's operand), or None."""
@@ -475,13 +530,16 @@ class PrecisionReport:
         classes, `jax.named_scope`s), `callers` (the functions outside JAX and jaxamp that traced it, innermost
         first: `"Linear.__call__ < GPT.__call__ < loss_fn"`), `weight` (under autocast, the path of the param
         that is an operand, in the forward and in the backward matmuls derived from it: `"head.kernel"`,
-        `"params.decoder.logitdense.kernel"`; "" for an activation x activation matmul or without autocast), and
-        under a stateless FP8 recipe
+        `"params.decoder.logitdense.kernel"`; "" for an activation x activation matmul or without autocast),
+        `selection` (an operand is one-hot, `jax.nn.one_hot`'s: a gather written as a matmul, such as optax's
+        `ctc_loss`'s, which autocast runs in its other operand's dtype; left out of `half_fraction` and
+        `fallbacks`), and under a stateless FP8 recipe
         `fp8_excluded_by`: the `fp8_exclude` pattern that kept this half-precision weight matmul out of FP8, or
         None, and `fp8_excluded_name`: the name it matched (`"lm_head"`, `"Embed.attend"`), or None; under
         autocast `float32_result_by`: the `float32_results` pattern that made this half-precision matmul write
         float32 (the output head's logits), or None.
-      fallbacks: the rows with a float32 operand under a half-precision policy; the first holds `cause` too.
+      fallbacks: the rows with a float32 operand under a half-precision policy (selections aside); the first holds
+        `cause` too.
       half_accumulations: sums, scatter-adds and cumulative ops in half precision over more values than the format
         absorbs (`ABSORB_LIMIT`): dicts with `source`, `library`, `primitive`, `dtype`, `size` (values added per
         output element), `pass`.
@@ -491,8 +549,9 @@ class PrecisionReport:
       fp8: whether the policy asks for FP8 matmuls (delayed `fp8` or a stateless recipe): the summary then always
         gives the FP8 share, and the warning fires when it is 0.
       half_logits: under autocast, the forward weight matmuls whose half-precision result (or FP8 operands) goes
-        into a softmax (`log_softmax`, `logsumexp`, optax's cross-entropies) through elementwise and shape ops
-        only: an output head that `float32_results` (or `fp8_exclude`) did not name. Rows as `rows`.
+        into a softmax (`log_softmax`, `logsumexp`, optax's cross-entropies) or a log-sigmoid (binary and
+        multi-label cross-entropies) through elementwise and shape ops only: an output head that `float32_results`
+        (or `fp8_exclude`) did not name. Rows as `rows`, with `into`: `"softmax"` or `"log-sigmoid"`.
     """
 
     policy: str
@@ -568,8 +627,9 @@ class PrecisionReport:
         return text
 
     def _float32_results_note(self) -> str:
-        """Under autocast with `float32_results`: a note when no matmul wrote float32 logits (a head without a usual
-        name rounds them to the compute dtype) or a pattern the user gave matched nothing."""
+        """Under autocast with `float32_results`: the head that writes half-precision logits into a softmax or
+        log-sigmoid (`logits_note`), else a note when no matmul wrote float32 (a regression's output, or a head the
+        audit cannot see), and any pattern the user gave that matched nothing."""
         if not self.float32_results:
             return ""
         unused = self.float32_results_unused
@@ -577,10 +637,14 @@ class PrecisionReport:
         logits = self.logits_note()
         if logits:
             return "; " + logits + unused_text
+        forward = [r for r in self.rows if r["pass"] == "forward" and not r.get("selection")]
+        if len(forward) >= 3 and all(r.get("float32_result_by") for r in forward):
+            return (f"; float32_results made every forward matmul ({len(forward)}) write float32 (a pattern wider "
+                    "than the output head: the activations between matmuls are float32)" + unused_text)
         if not any(r.get("float32_result_by") for r in self.rows):
-            return ("; float32_results kept no matmul result float32 (an output head without a usual name writes "
-                    f"{self.compute_dtype} logits: add its name with ';float32_results+=NAME' or wrap it in "
-                    "jax.named_scope('head'))" + unused_text)
+            return ("; float32_results kept no matmul result float32 (no usual head name, and no half-precision "
+                    "result reaches a softmax or log-sigmoid: right for a regression; a classifier's head the audit "
+                    "cannot see takes ';float32_results+=NAME' or jax.named_scope('head'))" + unused_text)
         return unused_text
 
     def logits_note(self) -> str:
@@ -593,13 +657,13 @@ class PrecisionReport:
             return ""
         head = max(heads, key=lambda r: r["flops"])
         pattern = f"^{re.escape(head['weight'])}$"  # the whole param path: a module name alone recurs (`out`)
+        head_at, into = f"the output head {head['weight']} at {head['source']}", head.get("into", "softmax")
         if head["lhs"].startswith("float8"):
             spec = _add_pattern(self.policy, "fp8_exclude", pattern)
             spec = _add_pattern(spec, "float32_results", pattern) if self.float32_results else spec
-            return (f"the output head {head['weight']} at {head['source']} runs in FP8 into a softmax (a head, or a "
-                    f"router, no pattern names): policy '{spec}' keeps it out")
-        return (f"the output head {head['weight']} at {head['source']} writes {head['out']} logits into a softmax (a "
-                f"head, or a router, no pattern names): policy "
+            return (f"{head_at} runs in FP8 into a {into} (a head, or a router, no pattern names): policy '{spec}' "
+                    "keeps it out")
+        return (f"{head_at} writes {head['out']} logits into a {into} (a head, or a router, no pattern names): policy "
                 f"'{_add_pattern(self.policy, 'float32_results', pattern)}' keeps them float32")
 
     def __str__(self) -> str:
@@ -715,13 +779,14 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
         _mark_fp8_exclusions(walk, fp8_exclude)
     if float32_results is not None:
         _mark_float32_results(walk, float32_results)
-    total = sum(r["flops"] for r in walk.rows)
-    half = sum(r["flops"] for r in walk.rows if _is_half(r["lhs"]) and _is_half(r["rhs"]))
-    fallbacks = [dict(r) for r in walk.rows if compute_half and not (_is_half(r["lhs"]) and _is_half(r["rhs"]))]
-    half_logits = [dict(r) for r, eqn in zip(walk.rows, walk.eqns)
+    counted = [r for r in walk.rows if not r.get("selection")]  # (a one-hot matmul selects: it runs as its input)
+    total = sum(r["flops"] for r in counted)
+    half = sum(r["flops"] for r in counted if _is_half(r["lhs"]) and _is_half(r["rhs"]))
+    fallbacks = [dict(r) for r in counted if compute_half and not (_is_half(r["lhs"]) and _is_half(r["rhs"]))]
+    half_logits = [{**r, "into": into} for r, eqn in zip(walk.rows, walk.eqns)
                    if autocast and r["pass"] == "forward" and r["weight"]
                    and (_is_half(r["out"]) or r["lhs"].startswith("float8"))
-                   and walk.feeds_softmax(eqn.outvars[0], _class_sizes(eqn))]
+                   and (into := walk.feeds_softmax(eqn.outvars[0], _class_sizes(eqn)))]
     if fallbacks:
         row, eqn = walk.first_fallback
         fallbacks[0]["cause"] = walk.cause(eqn)

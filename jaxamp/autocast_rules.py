@@ -114,12 +114,16 @@ class Mode:
       float32_results: compiled regular expressions over the same names (`exclusion_names`); a `dot_general` that one
         matches (the output head) takes compute-dtype operands and writes its result in float32
         (`float32_result_dot`).
+      named_params: the function's arguments hold params (`loss_fn(params, ...)`, `model.apply(variables, ...)`):
+        an FP8 weight matmul must then have a param operand (`WEIGHT_SCOPE`), so a product of two activations (a
+        contrastive similarity matrix) keeps the compute dtype.
     """
 
     compute: np.dtype | None
     fp8: Any = None
     fp8_exclude: tuple = ()
     float32_results: tuple = ()
+    named_params: bool = False
 
     @property
     def reference(self) -> bool:
@@ -345,13 +349,17 @@ def exclusion_names(eqn, scopes=None) -> list[str]:
 
 
 def fp8_applies(eqn, mode: Mode) -> bool:
-    """Whether the FP8 recipe takes this matmul: a `dot_general` without batch dimensions (a weight matmul; the
-    attention's batched score and value matmuls keep the compute dtype, as Transformer Engine's Linear layers do),
-    not excluded by name, and of sizes the recipe takes (MXFP8: multiples of 32)."""
+    """Whether the FP8 recipe takes this matmul: a weight matmul, as Transformer Engine's Linear layers quantize
+    theirs: a `dot_general` without batch dimensions (the attention's batched score and value matmuls keep the
+    compute dtype) with a param operand where the function's arguments hold params (`mode.named_params`: CLIP's
+    image x text similarity keeps it), not excluded by name, and of sizes the recipe takes (MXFP8: multiples of
+    32)."""
     if mode.fp8 is None or eqn.primitive.name != "dot_general":
         return False
     (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
-    if lb or any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn)):
+    if lb or (mode.named_params and not weight_path(scope_names(eqn))):
+        return False
+    if any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn)):
         return False
     if mode.fp8.multiple is None:
         return True
@@ -419,6 +427,52 @@ def _float32_result_bwd(op, residuals, g):
 
 
 _float32_result.defvjp(_float32_result_fwd, _float32_result_bwd, symbolic_zeros=True)
+
+
+# Ops a one-hot array goes through and stays one (`jax.nn.one_hot`'s `convert(x == iota)`, broadcast, reshaped).
+ONE_HOT_PRESERVING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy",
+                                "convert_element_type"})
+_CALL_PRIMITIVES = ("jit", "pjit", "closed_call", "core_call")
+
+
+def one_hot_vars(jaxpr, depth: int = 3) -> set:
+    """The variables of `jaxpr` that hold a one-hot array (exact 0s and 1s from a comparison): a
+    `convert_element_type` of a boolean, through `ONE_HOT_PRESERVING` ops, and the outputs of a call that returns
+    one (`jax.nn.one_hot` is a jit), at most `depth` calls deep."""
+    found: set = set()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        first = eqn.invars[0] if eqn.invars else None
+        if first is None or isinstance(first, jex_core.Literal):
+            continue
+        if name == "convert_element_type" and np.dtype(first.aval.dtype) == np.bool_:
+            found.add(eqn.outvars[0])
+        elif name in ONE_HOT_PRESERVING and first in found:
+            found.add(eqn.outvars[0])
+        elif name in _CALL_PRIMITIVES and depth > 1:
+            body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            body = getattr(body, "jaxpr", body)
+            if hasattr(body, "eqns"):
+                inner = one_hot_vars(body, depth - 1)
+                found.update(o for o, i in zip(eqn.outvars, body.outvars)
+                             if not isinstance(i, jex_core.Literal) and i in inner)
+    return found
+
+
+def selection_rule(eqn, vals, mode: Mode, bounds=None, one_hot=(False, False)) -> list:
+    """A `dot_general` with a one-hot operand (`one_hot[i]`): a selection written as a matmul (optax's `ctc_loss`
+    gathers its log-probabilities so, a TPU-style embedding `one_hot(ids) @ table`), in the dtype of the other
+    operand, as torch.amp's gather and embedding keep their input's (the widest rule): a lookup in a float32 table
+    stays float32, and so do log-probabilities. Never FP8. Other operands (integers, both one-hot): as
+    `matmul_rule`."""
+    others = [dtype_of(x) for x, hot in zip(vals[:2], one_hot) if not hot]
+    if len(others) != 1 or others[0] not in ELIGIBLE or mode.reference:
+        return matmul_rule(eqn, vals, mode, bounds)
+    target, params = others[0], dict(eqn.params)
+    pet = params.get("preferred_element_type")
+    if pet is None or np.dtype(pet) == widest([eqn.invars[0].aval.dtype, eqn.invars[1].aval.dtype]):
+        params["preferred_element_type"] = target
+    return checked_bind(eqn, [cast(x, target) for x in vals[:2]] + list(vals[2:]), params)
 
 
 def float32_rule(eqn, vals, mode: Mode, bounds=None) -> list:

@@ -57,6 +57,10 @@ Casts and constants:
   compile for an H200 has 6,288 MiB more temporaries (1.02x the bf16 cast policy's, was 0.79x) and 33.8 GiB more
   kernel traffic per step (`benchmarks/results/gpu_compile_autocast_head.md`). `float32_results=()` gives
   torch.amp's bf16 logits.
+* A `dot_general` with a one-hot operand (a `convert` of a boolean, through shape ops, casts and nested jits:
+  `jax.nn.one_hot(ids) @ table`, optax's `ctc_loss`'s gathers of its log-probabilities) is a selection written as a
+  matmul: both operands take the other operand's dtype, as torch.amp's gather and embedding keep their input's (a
+  float32 table's rows and CTC's loss stay float32); never FP8 (`autocast_rules.selection_rule`).
 
 Control flow and calls, re-bound through JAX's public API, their inner jaxprs interpreted under the same rules:
 
@@ -123,6 +127,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Sequence
@@ -165,8 +170,9 @@ def autocast(fn: F, dtype: Any, *, fp8: Any = None, fp8_exclude: Sequence[str] =
              float32_results: Sequence[str] = FLOAT32_RESULTS) -> F:
     """`fn` with its matmuls in `dtype` and its sensitive ops in float32 (torch.amp's autocast op lists, CUDA).
 
-    With `fp8`, the weight matmuls (`dot_general` without batch dimensions: Dense, Conv1D-as-matmul, einsum
-    projections) run through `jaxamp.fp8_recipes.fp8_dot_general` under that stateless recipe (`"current"`:
+    With `fp8`, the weight matmuls (`dot_general` without batch dimensions, with a param operand where `fn`'s
+    first argument or a `params=` holds params: Dense, Conv1D-as-matmul, einsum projections; not a product of two
+    activations such as CLIP's similarity matrix) run through `jaxamp.fp8_recipes.fp8_dot_general` under that stateless recipe (`"current"`:
     Transformer Engine's Float8CurrentScaling; `"block"`: DeepSeek-V3's 1x128 / 128x128 tiles; `"mxfp8"`), their
     result in `dtype`; the attention's batched matmuls, convolutions and the matmuls `fp8_exclude` names keep
     `dtype`, as Transformer Engine keeps the output head and attention in bf16 by default.
@@ -318,6 +324,7 @@ def _run(fn, args: tuple, kwargs: dict, mode: Mode):
     dyn_leaves = [x for x, d in zip(leaves, dynamic) if d]
     names = [_param_path(path) for (path, _), d in zip(paths, dynamic) if d]
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_leaves)
+    mode = dataclasses.replace(mode, named_params=any(names))
     outs = interpret(closed.jaxpr, closed.consts, dyn_leaves, mode, arg_names=names)
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -374,6 +381,7 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
         env[var] = val
     for var, val, b, n in zip(jaxpr.invars, args, arg_bounds or [None] * len(args), arg_names or [None] * len(args)):
         env[var], bound[var], named[var] = val, b, n
+    one_hot = set() if mode.reference else rules.one_hot_vars(jaxpr)
     for eqn in jaxpr.eqns:
         vals, bounds = [read(v) for v in eqn.invars], [read_bound(v) for v in eqn.invars]
         names = [None if isinstance(v, jex_core.Literal) else named.get(v) for v in eqn.invars]
@@ -381,6 +389,9 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
         rule, extra = _rule(eqn, mode), {}
         if rule in _NAMED_RULES and any(names):
             extra = {"names": names}
+        hot = [not isinstance(v, jex_core.Literal) and v in one_hot for v in eqn.invars[:2]]
+        if eqn.primitive.name == "dot_general" and any(hot) and rule is rules.FIRST_ORDER_RULES["dot_general"]:
+            rule, extra = rules.selection_rule, {"one_hot": hot}
         own = traceback or _traceback(eqn, _ENCLOSING.get())
         with _enclosing(own), source_info_util.user_context(own, name_stack=name_stack), \
                 _eqn_context(eqn), \

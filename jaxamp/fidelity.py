@@ -10,12 +10,14 @@ gradient is a half-precision scatter-add (`jaxamp.layers` explains and fixes tha
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jmp
 
+from jaxamp.audit import PrecisionWarning
 from jaxamp.autocasting import float32_reference
 from jaxamp.fp8_collection import merge_fp8, split_fp8
 from jaxamp.fp8_report import fp8_bypassed
@@ -63,7 +65,8 @@ def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
 
     Returns:
       `{leaf path: f32[] error}`, keys as `jaxamp.precision.leaf_path` writes them (`"h_0/mlp/c_fc/kernel"`);
-      inf where the mixed-precision gradient is not finite; 0 where both gradients are exactly 0.
+      inf where the mixed-precision gradient is not finite (the loss scale overflowed it: `train_step` would skip
+      this step; called outside `jit`, a `PrecisionWarning` says so); 0 where both gradients are exactly 0.
 
     Raises:
       ValueError: a bad `loss_fn` or `accum_steps` (one line, as `train_step` says).
@@ -72,7 +75,23 @@ def grad_fidelity(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_st
                                  carry=carry)
     if axis_name is not None:
         mixed, exact = jax.lax.pmean((mixed, exact), axis_name)
+    _warn_if_overflowed(mixed, state, "grad_fidelity")
     return errors(mixed, exact)
+
+
+def _warn_if_overflowed(mixed: PyTree, state: TrainState, caller: str) -> None:
+    """Outside `jit` (concrete gradients): a `PrecisionWarning` when the mixed-precision gradient is not finite, so
+    that its errors read inf. Under `jit` nothing can be read: the errors say it (inf)."""
+    leaves = jax.tree.leaves(mixed)
+    if not leaves or any(isinstance(g, jax.core.Tracer) for g in leaves) or all(
+            bool(jnp.all(jnp.isfinite(g))) for g in leaves):
+        return
+    scale = state.loss_scale.loss_scale
+    scale = "?" if isinstance(scale, jax.core.Tracer) else f"{float(scale):g}"
+    warnings.warn(f"{caller}: the mixed-precision gradient is not finite at loss scale {scale} (train_step would "
+                  "skip this step), so the non-finite leaves' errors read inf; measure at a state whose step applies: "
+                  "a smaller scale (state.replace(loss_scale=...)) or the state after the dynamic scale backed off",
+                  PrecisionWarning, stacklevel=3)
 
 
 def errors(mixed: PyTree, exact: PyTree) -> dict[str, jax.Array]:
@@ -141,7 +160,8 @@ def fidelity_report(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_
     Returns:
       A dict of dicts keyed as `grad_fidelity`'s result (`{path: value}`): `rel_err` (f32[] per leaf, as
       `grad_fidelity`), `global_rel_err` (f32[] per leaf), `near_zero` (bool[] per leaf) and, with `noise_floor`,
-      `noise_floor` (f32[] per leaf).
+      `noise_floor` (f32[] per leaf). A mixed-precision gradient that is not finite reads inf, with a
+      `PrecisionWarning` outside `jit` (as `grad_fidelity`).
 
     Raises:
       ValueError: as `grad_fidelity`.
@@ -149,6 +169,7 @@ def fidelity_report(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_
     carry = state.model_state if carry is None else carry
     mixed, exact = gradient_pair(state, batch, loss_fn, accum_steps=accum_steps,
                                  reference_loss_fn=reference_loss_fn, carry=carry)
+    _warn_if_overflowed(mixed, state, "fidelity_report")
     report = {"rel_err": errors(mixed, exact), "global_rel_err": global_errors(mixed, exact),
               "near_zero": near_zero(exact)}
     if noise_floor is not False and noise_floor is not None:  # (a dtype is falsy: len(np.dtype) == 0)

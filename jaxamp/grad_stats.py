@@ -16,12 +16,17 @@ PyTree = Any
 __all__ = ["nonfinite_paths", "underflow_stats", "worst_leaves"]
 
 
-def underflow_stats(scaled_grads: PyTree) -> dict:
+def underflow_stats(scaled_grads: PyTree, dtype: Any = None) -> dict:
     """Underflow and headroom of the scaled gradients, in the dtype they were computed in (the compute dtype).
 
     Args:
       scaled_grads: the gradients with respect to the compute-dtype params, still multiplied by the loss scale
         (what float16 actually holds during the backward pass).
+      dtype: the format whose range the headroom is measured against; None: each leaf's own dtype (a cast policy's
+        compute-dtype params). Under autocast the params and their gradients are float32 while the backward GEMMs
+        ran in the compute dtype: `train_step` passes it (float16's 65504, not float32's 3.4e38). A leaf summed in
+        float32 outside any GEMM (a bias, a lookup's scatter-add) may then read a negative headroom and still be
+        finite.
 
     Returns:
       A dict of float32 scalars and trees of them
@@ -36,7 +41,7 @@ def underflow_stats(scaled_grads: PyTree) -> dict:
 
     def leaf(g):
         g = jnp.asarray(g)
-        big = jnp.log2(jnp.asarray(jnp.finfo(g.dtype).max, jnp.float32))
+        big = jnp.log2(jnp.asarray(jnp.finfo(g.dtype if dtype is None else dtype).max, jnp.float32))
         max_abs = jnp.max(jnp.abs(g), initial=0).astype(jnp.float32)  # 0 for a zero-size leaf
         return {"zeros": jnp.sum(g == 0).astype(jnp.float32), "size": jnp.asarray(g.size, jnp.float32),
                 "headroom": big - jnp.log2(max_abs)}

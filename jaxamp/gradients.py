@@ -8,6 +8,7 @@ A stateful loss (`jaxamp.nnx`'s BatchNorm statistics and RNG counts) runs throug
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -211,7 +212,7 @@ def gradients(state: TrainState, batch: PyTree, loss_fn: Callable, loss_scale, r
     regular, fp8 = fp8c.split_fp8(state.params)
     train_c, frozen_c = split_frozen(state.policy.cast_to_compute(regular), state.trainable)
     params_c = (train_c, frozen_c, fp8)
-    stats_of = underflow_stats if with_stats else (lambda g: None)
+    stats_of = _stats_of(state.policy) if with_stats else (lambda g: None)
     if accum_steps == 1:
         grads_c, loss, aux, fp8_new, carry, count = _micro_grads(loss_fn, loss_scale, params_c, batch, rng, carry)
         g = Grads(loss_scale.unscale(grads_c), loss, aux, stats_of(grads_c), fp8_new, carry, count)
@@ -286,6 +287,12 @@ def _across_devices(g: Grads, axis_name) -> Grads:
         k: jax.lax.pmean(v, axis_name) if "zero" in k else jax.lax.pmin(v, axis_name) for k, v in g.stats.items()}
     fp8 = jax.tree.map(lambda x: jax.lax.pmax(x, axis_name), g.fp8)
     return g._replace(grads=grads, loss=loss, stats=stats, fp8=fp8, weight=weight)
+
+
+def _stats_of(policy) -> Callable:
+    """`underflow_stats` against the compute dtype's range under autocast (the params' gradients are float32, the
+    backward GEMMs ran in the compute dtype), against each leaf's own dtype otherwise."""
+    return functools.partial(underflow_stats, dtype=policy.compute_dtype if uses_autocast(policy) else None)
 
 
 def _initial_stats(train_c: PyTree, with_stats: bool):

@@ -347,6 +347,44 @@ def test_a_half_lookup_through_a_jitted_jnp_function_names_the_users_line(policy
     assert sums[0]["source"] == f"test_audit.py:{line}", sums
 
 
+class Encoder(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.RNN(nn.LSTMCell(16))(x)  # RNN_LINE
+        return nn.Dense(4, name="head")(h[:, -1])
+
+
+def test_a_library_scan_names_the_users_line():
+    """`nn.RNN(nn.LSTMCell)`: JAX traces a scan's body with a traceback that ends at the body (Flax's `axes_scan`),
+    which holds no user frame; the LSTM's rows name the user's line that called `nn.RNN`, forward and backward (they
+    read `flax/core/axes_scan.py:...body_fn`)."""
+    model = Encoder()
+    x = jnp.ones((2, 5, 3))
+    line = next(i for i, text in enumerate(inspect.getsource(Encoder).splitlines(), inspect.getsourcelines(Encoder)[1])
+                if text.rstrip().endswith("# RNN_LINE"))
+
+    def loss_fn(params, batch, rng):
+        return jnp.mean(model.apply({"params": params}, batch.astype(jnp.float32)) ** 2)
+
+    state = TrainState.create(params=model.init(jax.random.key(0), x)["params"], tx=optax.sgd(0.1),
+                              policy=get_policy("bf16", autocast=True),
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+    rows = [r for r in precision_audit(state, x, loss_fn).rows if "RNN" in r["scope"] or "LSTMCell" in r["weight"]]
+    assert {r["pass"] for r in rows} == {"forward", "backward"}, rows
+    assert {r["source"] for r in rows} == {f"test_audit.py:{line}"}, {r["source"] for r in rows}
+    assert {r["library"] for r in rows} == {"flax/linen/recurrent.py:RNN.__call__"}, {r["library"] for r in rows}
+
+
+def test_a_file_of_an_installed_package_is_named_by_its_path_in_the_package():
+    """A frame in a package the audit does not count as a library (jraph's `_src/models.py`) reads as that path,
+    not as a bare `models.py` the user's own model file may also be called."""
+    from jaxamp import audit
+
+    assert audit._short_file("/x/lib/python3.11/site-packages/jraph/_src/models.py") == "jraph/_src/models.py"
+    assert audit._short_file("/usr/lib/python3/dist-packages/pkg/models.py") == "pkg/models.py"
+    assert audit._short_file("/home/me/project/models.py") == "models.py"
+
+
 def test_every_op_autocast_rewrites_keeps_a_users_line_inside_jitted_and_custom_jvp_library_code():
     """Under autocast (and its gradient) no equation lacks a frame outside JAX, at any depth: `jnp.take` and
     `jnp.searchsorted` (nested jits, one with a scan inside), `jax.nn.relu` (a custom_jvp), a remat around a
@@ -407,6 +445,36 @@ class OutputLayerNet(nn.Module):
         return nn.Dense(10, name="output_layer")(nn.relu(nn.Dense(32, name="linear1")(x)))
 
 
+@pytest.mark.parametrize("loss", ["optax", "log_sigmoid"])
+def test_a_head_into_a_log_sigmoid_is_found_and_a_softplus_activation_is_not(loss):
+    """Binary and multi-label losses (optax's sigmoid_binary_cross_entropy; Flax's VAE example writes its own with
+    `nn.log_sigmoid`) take the head's logits through a log-sigmoid, `-softplus(-x)`: the unnamed head is found
+    (`into`: "log-sigmoid") and the note names its policy; a softplus of a hidden layer's result (a positive step
+    size, as Mamba's) is no head."""
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = jax.nn.softplus(nn.Dense(32, name="step")(x))  # a softplus activation: not a loss's
+            return nn.Dense(6, name="fc2")(nn.Dense(32, name="fc1")(h))
+
+    net = Net()
+    params = net.init(jax.random.key(0), jnp.ones((1, 8)))["params"]
+
+    def loss_fn(params, batch, rng):
+        logits = net.apply({"params": params}, batch[0])
+        if loss == "optax":
+            return optax.sigmoid_binary_cross_entropy(logits, batch[1]).mean()
+        log_p = nn.log_sigmoid(logits)  # Flax's VAE: binary_cross_entropy_with_logits
+        return -jnp.sum(batch[1] * log_p + (1.0 - batch[1]) * jnp.log(-jnp.expm1(log_p)))
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16;autocast", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(1))
+    report = precision_audit(state, (jnp.ones((4, 8)), jnp.ones((4, 6))), loss_fn)
+    assert [(r["weight"], r["into"]) for r in report.half_logits] == [("fc2.kernel", "log-sigmoid")]
+    assert ("fc2.kernel at test_audit.py:" in report.summary() and "writes bfloat16 logits into a log-sigmoid"
+            in report.summary() and "'bf16;autocast;float32_results+=^fc2\\.kernel$'" in report.summary())
+
+
 def test_the_audit_says_when_no_matmul_writes_float32_logits_and_which_pattern_did():
     """Under autocast: a head without a usual name writes bf16 logits, and the summary says so and how to name it;
     `;float32_results+=` names it (its forward row writes float32, `float32_result_by` the pattern); a pattern that
@@ -437,6 +505,7 @@ def test_the_audit_says_when_no_matmul_writes_float32_logits_and_which_pattern_d
                               rng=jax.random.key(1))
     regression = precision_audit(state, batch, squared_error)
     assert regression.half_logits == () and "float32_results kept no matmul result float32" in regression.summary()
+    assert "right for a regression" in regression.summary() and "logits" not in regression.summary()
     named = audit("bf16;autocast;float32_results+=^output_layer$")
     assert "float32_results kept" not in named.summary() and "match no matmul" not in named.summary()
     wrote = [(r["weight"], r["pass"], r["float32_result_by"]) for r in named.rows if r["out"] == "float32"]
@@ -610,3 +679,26 @@ def test_a_bias_free_head_is_found_through_the_usual_losses_and_a_pooling_softma
     report = precision_audit(state, {"ids": ids}, lambda p, b, rng: optax.softmax_cross_entropy_with_integer_labels(
         pooled.apply({"params": p}, b["ids"]), ids[:, 0]).mean())
     assert report.half_logits == () and "output head" not in report.summary()
+
+
+def test_a_float32_results_pattern_that_takes_every_matmul_is_reported():
+    """`;float32_results+=` matching every forward matmul (a Hugging Face model's class name) makes the activations
+    between matmuls float32: the summary says so (it said nothing)."""
+    class Deeper(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return OutputLayerNet()(nn.Dense(8, name="stem")(x))
+
+    model = Deeper()
+    params = model.init(jax.random.key(0), jnp.ones((1, 8)))["params"]
+
+    def loss_fn(params, batch, rng):
+        return jnp.mean(model.apply({"params": params}, batch) ** 2)
+
+    def summary(policy):
+        state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(),
+                                  rng=jax.random.key(1))
+        return precision_audit(state, jnp.ones((4, 8)), loss_fn).summary()
+
+    assert "made every forward matmul (3) write float32" in summary("bf16;autocast;float32_results+=^Deeper$")
+    assert "made every forward matmul" not in summary("bf16;autocast;float32_results+=^output_layer$")

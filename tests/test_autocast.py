@@ -1000,3 +1000,46 @@ def test_attention_without_a_kernel_is_inlined_and_reference_and_masks_never_cal
     float32_reference(_attention_model())(x, w)
     autocast(_attention_model(mask=jnp.tril(jnp.ones((16, 16), bool))), BF)(x, w)
     assert calls == []
+
+
+def test_a_one_hot_matmul_is_a_selection_in_its_other_operands_dtype():
+    """`jax.nn.one_hot(ids) @ table` and optax's `ctc_loss` (its log-probabilities gathered by one-hot einsums) are
+    selections written as matmuls: autocast runs them in the other operand's dtype (torch.amp's gather and
+    embedding), so a float32 table's rows and the CTC loss stay float32 (the loss was bfloat16, 2.6e-3 off); a
+    one-hot matmul of a bfloat16 activation stays bfloat16; a plain matmul still runs in bfloat16. The audit leaves
+    the selections out of `half_fraction` and `fallbacks`."""
+    import optax
+
+    from jaxamp import NoOpLossScale, TrainState, precision_audit
+
+    table = jax.random.normal(jax.random.key(0), (32, 8))
+    ids = jnp.array([3, 0, 31, 3])
+    rows = autocast(lambda t, i: jax.nn.one_hot(i, 32) @ t, jnp.bfloat16)(table, ids)
+    assert rows.dtype == jnp.float32 and np.array_equal(rows, table[ids])
+    act = autocast(lambda t, i: jax.nn.one_hot(i, 32, dtype=jnp.bfloat16) @ t.astype(jnp.bfloat16), jnp.bfloat16)(
+        table, ids)
+    assert act.dtype == jnp.bfloat16
+    assert autocast(lambda t, x: x @ t, jnp.bfloat16)(table, jnp.ones((2, 32))).dtype == jnp.bfloat16
+
+    B, T, K, U = 4, 40, 16, 6
+    logits = jax.random.normal(jax.random.key(1), (B, T, K)) * 3
+    labels = jax.random.randint(jax.random.key(2), (B, U), 1, K)
+    ctc = lambda lg: optax.ctc_loss(lg, jnp.zeros((B, T)), labels, jnp.zeros((B, U)))
+    mixed = jax.jit(autocast(ctc, jnp.bfloat16))(logits)
+    assert mixed.dtype == jnp.float32
+    np.testing.assert_allclose(mixed, jax.jit(ctc)(logits), rtol=1e-6)
+
+    head = nn.Dense(K, name="lm_head")
+    x = jax.random.normal(jax.random.key(3), (B, T, 8))
+
+    def loss_fn(params, batch, rng):
+        return optax.ctc_loss(head.apply({"params": params}, batch[0]), jnp.zeros((B, T)), batch[1],
+                              jnp.zeros((B, U))).mean()
+
+    state = TrainState.create(params=head.init(jax.random.key(4), x)["params"], tx=optax.sgd(0.1),
+                              policy="bf16;autocast", loss_scale=NoOpLossScale(), rng=jax.random.key(5))
+    report = precision_audit(state, (x, labels), loss_fn)
+    selections = [r for r in report.rows if r["selection"]]
+    assert {r["pass"] for r in selections} == {"forward", "backward"} and all(
+        r["lhs"] == r["rhs"] == "float32" for r in selections), selections
+    assert report.half_fraction == 1.0 and report.fallbacks == ()

@@ -379,3 +379,31 @@ def test_every_lm_leaf_is_within_the_kernel_error(lm_setup, name, batch_name):
     assert len(errors) == len(jax.tree.leaves(params)) and "wte/embedding" in errors
     assert all(v <= bound for v in errors.values()), sorted(errors.items(), key=lambda kv: -kv[1])[:3]
     assert 0 < float(np.median(kernels)) < (0.01 if name == "bf16" else 0.002)  # rounding happened, and is small
+
+
+def test_an_overflowed_gradient_reads_inf_with_a_warning_outside_jit():
+    """d loss / d w = 3 per element, times 2^15 overflows float16: the errors read inf; outside jit a
+    PrecisionWarning names the loss scale (it said nothing); at 2^14, or under jit, no warning."""
+    import warnings
+
+    from jaxamp import PrecisionWarning
+    from jaxamp.fidelity import fidelity_report
+
+    def loss_fn(params, batch, rng):
+        return jnp.sum(params["w"] * batch.astype(params["w"].dtype)).astype(jnp.float32)
+
+    batch = jnp.full((4,), 3.0)
+
+    def state(scale):
+        return TrainState.create(params={"w": jnp.ones((4,))}, tx=optax.sgd(0.1), policy="fp16",
+                                 loss_scale=DynamicLossScale(scale), rng=jax.random.key(0))
+
+    with pytest.warns(PrecisionWarning, match="not finite at loss scale 32768"):
+        assert float(grad_fidelity(state(2.0**15), batch, loss_fn)["w"]) == np.inf
+    with pytest.warns(PrecisionWarning, match="fidelity_report: .* not finite"):
+        assert float(fidelity_report(state(2.0**15), batch, loss_fn)["rel_err"]["w"]) == np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionWarning)
+        assert float(grad_fidelity(state(2.0**14), batch, loss_fn)["w"]) == 0.0
+        jitted = jax.jit(grad_fidelity, static_argnames="loss_fn")(state(2.0**15), batch, loss_fn)
+        assert float(jitted["w"]) == np.inf

@@ -18,6 +18,7 @@ from jaxamp import (
     PrecisionWarning,
     StaticLossScale,
     TrainState,
+    autocast,
     get_policy,
     precision_audit,
     train_step,
@@ -546,3 +547,35 @@ def test_the_excluded_head_writes_float32_logits_and_an_fp8_head_does_not():
     assert forward("fp8-current") == fp8 | {("head.kernel", "bfloat16", "float32")}
     assert forward("fp8-current;float32_results=") == fp8 | {("head.kernel", "bfloat16", "bfloat16")}
     assert forward("fp8-current;fp8_exclude=") == fp8 | {("head.kernel", "float8_e4m3fn", "float32")}
+
+
+class Towers(nn.Module):
+    """Two projections and their product: a CLIP-style [batch, batch] similarity of two activations."""
+
+    @nn.compact
+    def __call__(self, a, b):
+        ea, eb = nn.Dense(16, name="proj_a")(a), nn.Dense(16, name="proj_b")(b)
+        return ea @ eb.T  # no batch dimensions, no weight
+
+
+def test_a_product_of_two_activations_stays_out_of_fp8():
+    """FP8 takes weight matmuls, as Transformer Engine's Linear layers: a similarity of two activations (CLIP's
+    image x text logits, a dot_general without batch dimensions) kept the compute dtype only where it had batch
+    dimensions; now it needs a param operand. A function whose arguments hold no params (weights closed over) keeps
+    the shape rule."""
+    model = Towers()
+    a, b = jax.random.normal(jax.random.key(0), (8, 32)), jax.random.normal(jax.random.key(1), (8, 32))
+    params = model.init(jax.random.key(2), a, b)["params"]
+
+    def loss_fn(params, batch, rng):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": params}, *batch),
+                                                               jnp.arange(8)).mean()
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="fp8-current", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(3))
+    rows = [r for r in precision_audit(state, (a, b), loss_fn).rows if r["pass"] == "forward"]
+    assert sorted((r["weight"], r["lhs"][:6]) for r in rows) == [
+        ("", "bfloat"), ("proj_a.kernel", "float8"), ("proj_b.kernel", "float8")], rows
+    w = jax.random.normal(jax.random.key(4), (32, 16))
+    closed = jax.make_jaxpr(autocast(lambda x: x @ w, jnp.bfloat16, fp8="current"))(a)
+    assert "f8_e4m3" in str(closed), closed  # no params argument: every dot without batch dimensions, as before

@@ -19,6 +19,15 @@ def test_underflow_stats_on_constructed_gradient():
     assert float(inf["headroom_log2"]) == -np.inf
 
 
+def test_underflow_stats_against_another_dtype():
+    """`dtype=`: float32 gradients (autocast's) measured against float16's range."""
+    g = {"w": jnp.array([0.0, 4.0, -1.0], jnp.float32)}
+    np.testing.assert_allclose(float(underflow_stats(g)["headroom_log2"]), np.log2(3.4028235e38 / 4), rtol=1e-6)
+    np.testing.assert_allclose(float(underflow_stats(g, dtype=jnp.float16)["headroom_log2"]), np.log2(65504 / 4),
+                               rtol=1e-6)
+    assert float(underflow_stats(g, dtype=jnp.float16)["zero_fraction"]) == float(underflow_stats(g)["zero_fraction"])
+
+
 def test_underflow_stats_edge_trees():
     stats = underflow_stats({"empty": jnp.zeros((0, 4), jnp.float16), "b": jnp.array([0.0, 1.0], jnp.float16)})
     assert float(stats["zero_fraction"]) == 0.5  # the zero-size leaf adds no elements

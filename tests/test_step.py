@@ -420,6 +420,25 @@ def test_underflow_stats_in_metrics():
     assert np.isfinite(float(metrics["underflow"]["headroom_log2"]))
 
 
+def test_underflow_headroom_under_autocast_is_the_compute_dtypes():
+    """Under autocast the param gradients are float32 but the backward GEMMs ran in float16: the headroom is
+    measured against 65504, as under the cast policy (it read ~115 doublings, float32's range, and the step then
+    overflowed a few doublings later)."""
+    headroom = {}
+    for policy in ("fp16", "fp16;autocast"):
+        state = make_state(policy, StaticLossScale(2.0**15))
+        _, metrics = train_step(state, make_batch(0), mlp_loss, underflow_stats=True)
+        headroom[policy] = float(metrics["underflow"]["headroom_log2"])
+        assert jax.tree.leaves(state.params)[0].dtype == jnp.float32 or policy == "fp16"
+    assert 0 < headroom["fp16;autocast"] < 20, headroom
+    np.testing.assert_allclose(headroom["fp16;autocast"], headroom["fp16"], atol=0.05)
+    k = int(headroom["fp16"]) + 2  # past the headroom: both overflow
+    for policy in ("fp16", "fp16;autocast"):
+        _, metrics = train_step(make_state(policy, StaticLossScale(2.0 ** (15 + k))), make_batch(0), mlp_loss,
+                                underflow_stats=True)
+        assert not bool(metrics["grads_finite"]) and float(metrics["underflow"]["headroom_log2"]) < 0, policy
+
+
 @pytest.mark.slow
 def test_differentiable_through_the_step():
     """Hypergradients: d(updated params)/d(batch) through train_step (the finite check and norm are not
