@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import source_info_util
 
-from jaxamp.autocast_rules import ONE_HOT_PRESERVING, exclusion_names, weight_path
+from jaxamp.autocast_rules import exclusion_names, weight_path
 from jaxamp.autocasting import FLOAT32_RESULTS
 from jaxamp.fp8_recipes import FP8_EXCLUDE, FP8_SCOPE
 from jaxamp.gradients import check_loss_args, gradients
@@ -63,6 +63,11 @@ _SHIFT_TO_EXP = ("convert_element_type", "broadcast_in_dim", "reshape", "transpo
 # The ops between an FP8 value and the matmul that takes it dequantized (`convert(f8) * scale`, reshaped).
 _DEQUANTIZE_OPS = ("convert_element_type", "mul", "div", "broadcast_in_dim", "reshape", "transpose", "squeeze",
                    "copy", "copy_p")
+# The ops a one-hot array (`jax.nn.one_hot`'s) goes through to a matmul, forward or backward.
+_ONE_HOT_OPS = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy", "convert_element_type")
+# The ops of a softplus (`logaddexp(x, 0)`) and of the log-sigmoid around it, up to what a loss does next.
+_SOFTPLUS_OPS = ("neg", "add", "sub", "max", "abs", "exp", "log1p", "select_n", "convert_element_type",
+                 "broadcast_in_dim", "reshape")
 _SUMS = ("reduce_sum", "cumsum", "cumlogsumexp", "cumprod", "reduce_prod")
 _SCATTER_ADDS = ("scatter-add", "scatter_add")
 # Contributions a running sum in the format absorbs before the next ones round away (about 2^mantissa bits).
@@ -296,7 +301,7 @@ class _Walk:
                "pass": _pass(eqn, self.backward),
                "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}",
                "scope": "/".join(_scope(names)), "callers": callers, "weight": weight_path(names),
-               "selection": any(self._one_hot(v, 8) for v in eqn.invars[:2])}
+               "selection": not (_is_half(lhs) and _is_half(rhs)) and any(self._one_hot(v, 8) for v in eqn.invars[:2])}
         self.rows.append(row)
         self.eqns.append(eqn)
         self.names.append(names)
@@ -362,13 +367,39 @@ class _Walk:
         return False
 
     def _log_sigmoid_input(self, var) -> bool:
-        """`var` is a log-sigmoid's input (`jax.nn.log_sigmoid`, `nn.log_sigmoid`, optax's
-        `sigmoid_binary_cross_entropy`: `-softplus(-x)`): a `neg` of it (or of a copy) whose result, through casts
-        and call boundaries, is a softplus's input (`logaddexp(y, 0)`: `max(y, 0)`, and `y - 0` into `abs`, `neg`,
-        `exp`). A softplus of `x` itself (Mamba's step size, a positive scale) is not a loss's."""
-        negated = [w for v in self._aliases(var) for e in self.consumers.get(id(v), [])
-                   if e.primitive.name == "neg" for w in e.outvars]
-        return any(self._softplus_input(u) for w in negated for u in self._aliases(w))
+        """`var` is the logits of a binary cross-entropy: it reaches softplus inputs (`logaddexp(y, 0)`) through an
+        odd number of negations (`log_sigmoid(x) = -softplus(-x)`) and through an even one (`log_sigmoid(-x)`),
+        as optax's `sigmoid_binary_cross_entropy` has it, or the first alone with an `expm1` after it (Flax's VAE
+        example: `log(-expm1(log_sigmoid(x)))`). A log-sigmoid gate (xLSTM's forget gate into a `cumsum`) or a
+        softplus of `x` itself (Mamba's step size) is not a loss's."""
+        parities, frontier, seen = {}, [(var, 0, 6)], set()
+        while frontier:
+            v, odd, left = frontier.pop()
+            if (id(v), odd) in seen or left == 0:
+                continue
+            seen.add((id(v), odd))
+            for u in self._aliases(v):
+                if self._softplus_input(u):
+                    parities.setdefault(odd, []).append(u)
+                frontier += [(w, 1 - odd, left - 1) for e in self.consumers.get(id(u), [])
+                             if e.primitive.name == "neg" for w in e.outvars]
+        if 0 in parities and 1 in parities:
+            return True
+        return 1 in parities and any(self._reaches_expm1(u, 24) for u in parities[1])
+
+    def _reaches_expm1(self, var, depth: int) -> bool:
+        frontier, seen = [(var, depth)], set()
+        while frontier:
+            v, left = frontier.pop()
+            if left == 0 or id(v) in seen:
+                continue
+            seen.add(id(v))
+            takers = self.consumers.get(id(v), [])
+            if any(e.primitive.name == "expm1" for e in takers):
+                return True
+            frontier += [(w, left - 1) for e in takers if e.primitive.name in _SOFTPLUS_OPS for w in e.outvars]
+            frontier += [(w, left - 1) for key in ("enter", "exit") for w in self.consumers.get((key, id(v)), [])]
+        return False
 
     def _softplus_input(self, var) -> bool:
         takers = self.consumers.get(id(var), [])
@@ -481,19 +512,30 @@ class _Walk:
         return promotion or "no half-precision value reached it (the model computes in float32 there)"
 
     def _one_hot(self, var, depth: int) -> bool:
-        """Whether `var` holds a one-hot array (`convert` of a boolean, through shape ops, casts and call boundaries,
-        at most `depth` ops back): a matmul that takes it is a selection (`autocast_rules.selection_rule`)."""
+        """Whether `var` holds a one-hot array, `jax.nn.one_hot`'s `convert(ids[..., None] == iota)` (through shape
+        ops, casts and call boundaries, at most `depth` ops back): a float32 matmul that takes it is a selection that
+        autocast ran in its other operand's dtype (`autocast_rules.selection_rule`), or the backward of one."""
         if depth == 0 or not _is_var(var):
             return False
         step = self._through_calls(var)
         if step is not None:
             return self._one_hot(step, depth - 1)
         maker = self.producer.get(id(var))
-        if maker is None or maker.primitive.name not in ONE_HOT_PRESERVING or not maker.invars:
+        if maker is None or maker.primitive.name not in _ONE_HOT_OPS or not maker.invars:
             return False
         if maker.primitive.name == "convert_element_type" and _dtype(maker.invars[0]) == "bool":
-            return True
+            compare = self.producer.get(id(maker.invars[0]))
+            return compare is not None and compare.primitive.name == "eq" and any(
+                self._from_iota(v, 4) for v in compare.invars)
         return self._one_hot(maker.invars[0], depth - 1)
+
+    def _from_iota(self, var, depth: int) -> bool:
+        maker = self.producer.get(id(var)) if _is_var(var) else None
+        if maker is None or depth == 0:
+            return False
+        return maker.primitive.name == "iota" or (
+            maker.primitive.name in ("broadcast_in_dim", "convert_element_type") and
+            self._from_iota(maker.invars[0], depth - 1))
 
     def _through_calls(self, var):
         """The variable `var` stands for across a call boundary (a call's output -> the inner program's output; an

@@ -114,8 +114,9 @@ class Mode:
       float32_results: compiled regular expressions over the same names (`exclusion_names`); a `dot_general` that one
         matches (the output head) takes compute-dtype operands and writes its result in float32
         (`float32_result_dot`).
-      named_params: the function's arguments hold params (`loss_fn(params, ...)`, `model.apply(variables, ...)`):
-        an FP8 weight matmul must then have a param operand (`WEIGHT_SCOPE`), so a product of two activations (a
+      named_params: the function's first positional argument (or `params=`) holds arrays (`loss_fn(params, ...)`,
+        `model.apply(variables, ...)`; `autocasting._param_path` names their leaves): an FP8 weight matmul must then
+        have an operand carrying such a name (`WEIGHT_SCOPE`, `carried_name`), so a product of two activations (a
         contrastive similarity matrix) keeps the compute dtype.
     """
 
@@ -196,6 +197,29 @@ BOUND_PRESERVING = frozenset({"broadcast_in_dim", "convert_element_type", "resha
 # Ops whose output is a view of their first input's values (a param cast, transposed or resharded is still that
 # param): the interpreter carries an input's param path through them to the matmul that uses it.
 NAME_PRESERVING = BOUND_PRESERVING | {"sharding_constraint", "reshard", "mesh_cast", "pvary", "device_put"}
+
+# Ops that take a slice of their first input (a layer's weights out of a stack: `w[i]`, `fori_loop`'s
+# `dynamic_slice`): still that param, for the matmul that uses it.
+NAME_SLICING = frozenset({"slice", "dynamic_slice"})
+# Elementwise ops whose result, of a named input's own shape, is that param transformed (weight normalisation's
+# `v * g / |v|`, LoRA's `W + A @ B`, a weight mask).
+NAME_COMBINING = frozenset({"add", "add_any", "sub", "mul", "div"})
+
+
+def carried_name(eqn, names: Sequence) -> str | None:
+    """The param path `eqn`'s first output carries from its inputs' (`names`, per input), or None: through
+    `NAME_PRESERVING` and `NAME_SLICING` ops from the first input, through `NAME_COMBINING` ops from an input of the
+    output's shape (not a bias or a scale broadcast onto an activation)."""
+    name = eqn.primitive.name
+    if not names:
+        return None
+    if name in NAME_PRESERVING or name in NAME_SLICING:
+        return names[0]
+    if name in NAME_COMBINING:
+        shape = eqn.outvars[0].aval.shape
+        return next((n for n, v in zip(names, eqn.invars) if n is not None and v.aval.shape == shape), None)
+    return None
+
 
 # The name-stack entry `jaxamp.autocast` puts around a matmul whose operand is a param argument:
 # `jaxamp_weight:<path>` (`"head.kernel"`, `"params.decoder.logitdense.kernel"`, `"lm_head.weight"`). JAX keeps it
@@ -429,25 +453,38 @@ def _float32_result_bwd(op, residuals, g):
 _float32_result.defvjp(_float32_result_fwd, _float32_result_bwd, symbolic_zeros=True)
 
 
-# Ops a one-hot array goes through and stays one (`jax.nn.one_hot`'s `convert(x == iota)`, broadcast, reshaped).
-ONE_HOT_PRESERVING = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy",
-                                "convert_element_type"})
 _CALL_PRIMITIVES = ("jit", "pjit", "closed_call", "core_call")
 
 
+def _last_axis_iota(var, makers: dict) -> bool:
+    """`var` is an `iota` counting along its last axis (through `broadcast_in_dim`, `convert_element_type`)."""
+    for _ in range(4):
+        maker = makers.get(var)
+        if maker is None:
+            return False
+        if maker.primitive.name == "iota":
+            return maker.params["dimension"] == len(maker.params["shape"]) - 1
+        if maker.primitive.name not in ("broadcast_in_dim", "convert_element_type") or \
+                isinstance(maker.invars[0], jex_core.Literal):
+            return False
+        var = maker.invars[0]
+    return False
+
+
 def one_hot_vars(jaxpr, depth: int = 3) -> set:
-    """The variables of `jaxpr` that hold a one-hot array (exact 0s and 1s from a comparison): a
-    `convert_element_type` of a boolean, through `ONE_HOT_PRESERVING` ops, and the outputs of a call that returns
-    one (`jax.nn.one_hot` is a jit), at most `depth` calls deep."""
-    found: set = set()
+    """The variables of `jaxpr` that hold a one-hot array along their last axis, as `jax.nn.one_hot(ids, n)` makes
+    it: `convert_element_type(ids[..., None] == iota)` with the iota counting along the last axis, through casts,
+    and the outputs of a call that returns one (`jax.nn.one_hot` is a jit), at most `depth` calls deep. A mask or an
+    adjacency matrix (a boolean from any other comparison) is not one."""
+    found, makers, hot = set(), {}, set()
     for eqn in jaxpr.eqns:
+        for out in eqn.outvars:
+            makers[out] = eqn
         name = eqn.primitive.name
-        first = eqn.invars[0] if eqn.invars else None
-        if first is None or isinstance(first, jex_core.Literal):
-            continue
-        if name == "convert_element_type" and np.dtype(first.aval.dtype) == np.bool_:
-            found.add(eqn.outvars[0])
-        elif name in ONE_HOT_PRESERVING and first in found:
+        ins = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
+        if name == "eq" and len(ins) == 2 and any(_last_axis_iota(v, makers) for v in ins):
+            hot.add(eqn.outvars[0])
+        elif name == "convert_element_type" and ins and (ins[0] in hot or ins[0] in found):
             found.add(eqn.outvars[0])
         elif name in _CALL_PRIMITIVES and depth > 1:
             body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
@@ -459,12 +496,21 @@ def one_hot_vars(jaxpr, depth: int = 3) -> set:
     return found
 
 
+def selects(eqn, one_hot: Sequence[bool]) -> list[bool]:
+    """Per operand of a `dot_general`: a one-hot operand (`one_hot[i]`, `one_hot_vars`) contracted over its last
+    (class) axis, so the product picks rows of the other operand: a selection. A one-hot contracted over another
+    axis sums (a segment sum over a graph's edges)."""
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    return [hot and (var.aval.ndim - 1) in contracting
+            for hot, var, contracting in zip(one_hot, eqn.invars[:2], (lc, rc))]
+
+
 def selection_rule(eqn, vals, mode: Mode, bounds=None, one_hot=(False, False)) -> list:
-    """A `dot_general` with a one-hot operand (`one_hot[i]`): a selection written as a matmul (optax's `ctc_loss`
-    gathers its log-probabilities so, a TPU-style embedding `one_hot(ids) @ table`), in the dtype of the other
-    operand, as torch.amp's gather and embedding keep their input's (the widest rule): a lookup in a float32 table
-    stays float32, and so do log-probabilities. Never FP8. Other operands (integers, both one-hot): as
-    `matmul_rule`."""
+    """A `dot_general` that selects with a one-hot operand (`one_hot[i]`, `selects`): a gather written as a matmul
+    (optax's `ctc_loss` gathers its log-probabilities so, a TPU-style embedding `one_hot(ids) @ table`), in the dtype
+    of the other operand, as torch.amp's gather and embedding keep their input's (the widest rule): a lookup in a
+    float32 table stays float32, and so do log-probabilities. Never FP8. Other operands (integers, both one-hot):
+    as `matmul_rule`."""
     others = [dtype_of(x) for x, hot in zip(vals[:2], one_hot) if not hot]
     if len(others) != 1 or others[0] not in ELIGIBLE or mode.reference:
         return matmul_rule(eqn, vals, mode, bounds)

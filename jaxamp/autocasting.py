@@ -57,9 +57,10 @@ Casts and constants:
   compile for an H200 has 6,288 MiB more temporaries (1.02x the bf16 cast policy's, was 0.79x) and 33.8 GiB more
   kernel traffic per step (`benchmarks/results/gpu_compile_autocast_head.md`). `float32_results=()` gives
   torch.amp's bf16 logits.
-* A `dot_general` with a one-hot operand (a `convert` of a boolean, through shape ops, casts and nested jits:
-  `jax.nn.one_hot(ids) @ table`, optax's `ctc_loss`'s gathers of its log-probabilities) is a selection written as a
-  matmul: both operands take the other operand's dtype, as torch.amp's gather and embedding keep their input's (a
+* A `dot_general` that contracts a one-hot operand over its class axis (`jax.nn.one_hot`'s
+  `convert(ids[..., None] == iota)`, through casts and nested jits, contracted over its last axis:
+  `jax.nn.one_hot(ids, n) @ table`, optax's `ctc_loss`'s gathers of its log-probabilities) is a selection written as
+  a matmul: both operands take the other operand's dtype, as torch.amp's gather and embedding keep their input's (a
   float32 table's rows and CTC's loss stay float32); never FP8 (`autocast_rules.selection_rule`).
 
 Control flow and calls, re-bound through JAX's public API, their inner jaxprs interpreted under the same rules:
@@ -170,9 +171,12 @@ def autocast(fn: F, dtype: Any, *, fp8: Any = None, fp8_exclude: Sequence[str] =
              float32_results: Sequence[str] = FLOAT32_RESULTS) -> F:
     """`fn` with its matmuls in `dtype` and its sensitive ops in float32 (torch.amp's autocast op lists, CUDA).
 
-    With `fp8`, the weight matmuls (`dot_general` without batch dimensions, with a param operand where `fn`'s
-    first argument or a `params=` holds params: Dense, Conv1D-as-matmul, einsum projections; not a product of two
-    activations such as CLIP's similarity matrix) run through `jaxamp.fp8_recipes.fp8_dot_general` under that stateless recipe (`"current"`:
+    With `fp8`, the weight matmuls (`dot_general` without batch dimensions: Dense, Conv1D-as-matmul, einsum
+    projections; where `fn`'s first positional argument or a `params=` keyword holds arrays, as `loss_fn(params,
+    ...)` and `model.apply(variables, ...)` do, one operand must come from them, sliced, cast or combined
+    elementwise at its own shape (`w[i]`, `v * g`, `W + A @ B`), so a product of two activations such as CLIP's
+    similarity matrix is not one, and neither is a weight closed over beside such an argument: pass the params)
+    run through `jaxamp.fp8_recipes.fp8_dot_general` under that stateless recipe (`"current"`:
     Transformer Engine's Float8CurrentScaling; `"block"`: DeepSeek-V3's 1x128 / 128x128 tiles; `"mxfp8"`), their
     result in `dtype`; the attention's batched matmuls, convolutions and the matmuls `fp8_exclude` names keep
     `dtype`, as Transformer Engine keeps the output head and attention in bf16 by default.
@@ -389,9 +393,10 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
         rule, extra = _rule(eqn, mode), {}
         if rule in _NAMED_RULES and any(names):
             extra = {"names": names}
-        hot = [not isinstance(v, jex_core.Literal) and v in one_hot for v in eqn.invars[:2]]
-        if eqn.primitive.name == "dot_general" and any(hot) and rule is rules.FIRST_ORDER_RULES["dot_general"]:
-            rule, extra = rules.selection_rule, {"one_hot": hot}
+        if eqn.primitive.name == "dot_general" and one_hot and rule is rules.FIRST_ORDER_RULES["dot_general"]:
+            hot = rules.selects(eqn, [not isinstance(v, jex_core.Literal) and v in one_hot for v in eqn.invars[:2]])
+            if any(hot):
+                rule, extra = rules.selection_rule, {"one_hot": hot}
         own = traceback or _traceback(eqn, _ENCLOSING.get())
         with _enclosing(own), source_info_util.user_context(own, name_stack=name_stack), \
                 _eqn_context(eqn), \
@@ -402,8 +407,9 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
                 env[var] = out
         if eqn.primitive.name in rules.BOUND_PRESERVING and bounds and bounds[0] is not None:
             bound[eqn.outvars[0]] = bounds[0]
-        if eqn.primitive.name in rules.NAME_PRESERVING and names and names[0] is not None:
-            named[eqn.outvars[0]] = names[0]
+        carried = rules.carried_name(eqn, names) if eqn.outvars else None
+        if carried is not None:
+            named[eqn.outvars[0]] = carried
     outs = [read(v) for v in jaxpr.outvars]
     return [cast(x, rules.F32) if mode.reference and rules.is_low_float(dtype_of(x)) else x for x in outs]
 

@@ -83,8 +83,8 @@ def _warn_if_overflowed(mixed: PyTree, state: TrainState, caller: str) -> None:
     """Outside `jit` (concrete gradients): a `PrecisionWarning` when the mixed-precision gradient is not finite, so
     that its errors read inf. Under `jit` nothing can be read: the errors say it (inf)."""
     leaves = jax.tree.leaves(mixed)
-    if not leaves or any(isinstance(g, jax.core.Tracer) for g in leaves) or all(
-            bool(jnp.all(jnp.isfinite(g))) for g in leaves):
+    if not leaves or any(isinstance(g, jax.core.Tracer) for g in leaves) or bool(
+            jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in leaves]))):  # (one transfer)
         return
     scale = state.loss_scale.loss_scale
     scale = "?" if isinstance(scale, jax.core.Tracer) else f"{float(scale):g}"

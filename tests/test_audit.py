@@ -450,11 +450,12 @@ def test_a_head_into_a_log_sigmoid_is_found_and_a_softplus_activation_is_not(los
     """Binary and multi-label losses (optax's sigmoid_binary_cross_entropy; Flax's VAE example writes its own with
     `nn.log_sigmoid`) take the head's logits through a log-sigmoid, `-softplus(-x)`: the unnamed head is found
     (`into`: "log-sigmoid") and the note names its policy; a softplus of a hidden layer's result (a positive step
-    size, as Mamba's) is no head."""
+    size, as Mamba's) and a log-sigmoid gate (xLSTM's forget gate, into a cumsum) are no heads."""
     class Net(nn.Module):
         @nn.compact
         def __call__(self, x):
             h = jax.nn.softplus(nn.Dense(32, name="step")(x))  # a softplus activation: not a loss's
+            h = h * jnp.exp(jnp.cumsum(nn.log_sigmoid(nn.Dense(1, name="fgate")(h)), axis=0))  # a log-space gate
             return nn.Dense(6, name="fc2")(nn.Dense(32, name="fc1")(h))
 
     net = Net()

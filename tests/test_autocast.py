@@ -1006,8 +1006,9 @@ def test_a_one_hot_matmul_is_a_selection_in_its_other_operands_dtype():
     """`jax.nn.one_hot(ids) @ table` and optax's `ctc_loss` (its log-probabilities gathered by one-hot einsums) are
     selections written as matmuls: autocast runs them in the other operand's dtype (torch.amp's gather and
     embedding), so a float32 table's rows and the CTC loss stay float32 (the loss was bfloat16, 2.6e-3 off); a
-    one-hot matmul of a bfloat16 activation stays bfloat16; a plain matmul still runs in bfloat16. The audit leaves
-    the selections out of `half_fraction` and `fallbacks`."""
+    one-hot matmul of a bfloat16 activation stays bfloat16; a plain matmul, a one-hot summed over its rows (a segment
+    sum) and a boolean mask or adjacency matrix still run in bfloat16. The audit leaves the selections out of
+    `half_fraction` and `fallbacks`."""
     import optax
 
     from jaxamp import NoOpLossScale, TrainState, precision_audit
@@ -1020,6 +1021,10 @@ def test_a_one_hot_matmul_is_a_selection_in_its_other_operands_dtype():
         table, ids)
     assert act.dtype == jnp.bfloat16
     assert autocast(lambda t, x: x @ t, jnp.bfloat16)(table, jnp.ones((2, 32))).dtype == jnp.bfloat16
+    # sums, not selections: a one-hot contracted over its rows (a segment sum), a mask, an adjacency matrix
+    segment = autocast(lambda t, i: jax.nn.one_hot(i, 32).T @ t[:4], jnp.bfloat16)(table, ids)
+    mask = autocast(lambda t, x: (x > 0).astype(jnp.float32) @ t, jnp.bfloat16)(table, jnp.ones((2, 32)))
+    assert segment.dtype == mask.dtype == jnp.bfloat16
 
     B, T, K, U = 4, 40, 16, 6
     logits = jax.random.normal(jax.random.key(1), (B, T, K)) * 3

@@ -579,3 +579,19 @@ def test_a_product_of_two_activations_stays_out_of_fp8():
     w = jax.random.normal(jax.random.key(4), (32, 16))
     closed = jax.make_jaxpr(autocast(lambda x: x @ w, jnp.bfloat16, fp8="current"))(a)
     assert "f8_e4m3" in str(closed), closed  # no params argument: every dot without batch dimensions, as before
+
+    def stacked(params, batch, rng):  # a layer's weights sliced from a stack, weight-normalised, LoRA'd
+        h = batch[0]
+        for i in range(2):
+            h = jnp.tanh(h @ params["w"][i])
+        v = params["v"] * (params["g"] / jnp.linalg.norm(params["v"], axis=0))
+        h = h @ v @ (params["out"] + params["a"] @ params["b"])
+        return jnp.mean(h ** 2)
+
+    params = {"w": jnp.ones((2, 32, 32)) * 0.1, "v": jnp.ones((32, 32)), "g": jnp.ones((32,)),
+              "out": jnp.ones((32, 8)), "a": jnp.ones((32, 2)), "b": jnp.ones((2, 8))}
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="fp8-current", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(3))
+    rows = [r for r in precision_audit(state, (a, b), stacked).rows if r["pass"] == "forward"]
+    assert sorted((r["weight"], r["lhs"][:6]) for r in rows) == [
+        ("b", "float8"), ("out", "float8"), ("v", "float8"), ("w", "float8"), ("w", "float8")], rows
