@@ -321,6 +321,12 @@ def each_trial(names, measure_one) -> dict:
     return rows
 
 
+def _loss_scale_for(policy: str):
+    """A dynamic loss scale from 2^15 for a float16 policy (as `POLICIES`' own), none otherwise."""
+    fp16 = jaxamp.get_policy(policy).compute_dtype == jnp.float16
+    return (lambda: jaxamp.DynamicLossScale(2.0**15)) if fp16 else (lambda: jaxamp.NoOpLossScale())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", nargs="*", default=list(TRIALS), choices=list(TRIALS))
@@ -330,9 +336,15 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=5,
                         help="draws of the data for the paired float32 / mixed runs, the trial's own first "
                              "(default: %(default)s)")
+    parser.add_argument("--policies", nargs="*", default=None,
+                        help="the mixed policies to run instead of bf16;autocast and fp16;autocast (a float16 one with "
+                             "a dynamic loss scale from 2^15), e.g. 'bf16;autocast;float32_results=.'")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     harness.check_output(parser, "--out", args.out)
+    if args.policies:
+        POLICIES.clear()
+        POLICIES.update({p: _loss_scale_for(p) for p in args.policies})
     rows = each_trial(args.trials, lambda name: measure(name, args.steps, args.noise_samples, args.seeds))
     harness.write_report(args.out, report(rows, args.steps, argv if argv is not None else sys.argv[1:]))
     return 0

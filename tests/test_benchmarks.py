@@ -804,3 +804,20 @@ def test_autocast_variants_tiny(tmp_path):
     assert all(r[2] == "28/28" and r[3].split()[0] == "28" and len(r[3].split()) == 2 for r in rows), rows
     worst = {r[1]: number(r[4].split()[1]) for r in rows}
     assert len({r[4] for r in rows[:3]}) == 3 and max(worst.values()) < 1.0, rows  # 1%: every leaf near float32
+
+
+def test_autocast_models_runs_the_policies_it_is_given(monkeypatch, tmp_path):
+    """`--policies` replaces bf16;autocast and fp16;autocast (a float16 policy with a dynamic scale from 2^15)."""
+    import benchmarks.autocast_models as am
+
+    seen = {}
+    monkeypatch.setattr(am, "POLICIES", dict(am.POLICIES))
+    monkeypatch.setattr(am, "each_trial", lambda names, measure: seen.update({p: f() for p, f in am.POLICIES.items()})
+                        or {})
+    monkeypatch.setattr(am, "report", lambda rows, steps, argv: "")
+    am.main(["--trials", "gpt2_hf", "--policies", "bf16;autocast;float32_results=.", "fp16;autocast",
+             "--out", str(tmp_path / "m.md")])
+    assert list(seen) == ["bf16;autocast;float32_results=.", "fp16;autocast"]
+    assert isinstance(seen["bf16;autocast;float32_results=."], jaxamp.NoOpLossScale)
+    fp16 = seen["fp16;autocast"]
+    assert isinstance(fp16, jaxamp.DynamicLossScale) and float(fp16.loss_scale) == 2**15
