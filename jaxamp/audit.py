@@ -354,16 +354,24 @@ class _Walk:
         if not any(e.primitive.name == "reduce_max" and (sizes is None or any(
                 e.invars[0].aval.shape[a] in sizes for a in e.params.get("axes", ()))) for e in takers):
             return False
-        frontier = [(out, 3) for e in takers if e.primitive.name == "sub" and any(e.invars[0] is v for v in copies)
-                    for out in e.outvars]
+        shifted = [out for e in takers if e.primitive.name == "sub" and any(e.invars[0] is v for v in copies)
+                   for out in e.outvars]
+        return self._reaches(shifted, "exp", _SHIFT_TO_EXP, 3, links=("enter",))
+
+    def _reaches(self, starts, target: str, through, depth: int, links=()) -> bool:
+        """Whether an equation named `target` takes one of `starts`, or a value made from them by ops named in
+        `through` (and across the call links named in `links`: `"enter"`, `"exit"`), at most `depth` values on."""
+        frontier, seen = [(v, depth) for v in starts], set()
         while frontier:
             v, left = frontier.pop()
+            if left == 0 or (id(v), left) in seen:
+                continue
+            seen.add((id(v), left))
             takers = self.consumers.get(id(v), [])
-            if any(e.primitive.name == "exp" for e in takers):
+            if any(e.primitive.name == target for e in takers):
                 return True
-            if left > 1:
-                frontier += [(w, left - 1) for e in takers if e.primitive.name in _SHIFT_TO_EXP for w in e.outvars]
-                frontier += [(w, left - 1) for w in self.consumers.get(("enter", id(v)), [])]
+            frontier += [(w, left - 1) for e in takers if e.primitive.name in through for w in e.outvars]
+            frontier += [(w, left - 1) for key in links for w in self.consumers.get((key, id(v)), [])]
         return False
 
     def _log_sigmoid_input(self, var) -> bool:
@@ -385,36 +393,14 @@ class _Walk:
                              if e.primitive.name == "neg" for w in e.outvars]
         if 0 in parities and 1 in parities:
             return True
-        return 1 in parities and any(self._reaches_expm1(u, 24) for u in parities[1])
-
-    def _reaches_expm1(self, var, depth: int) -> bool:
-        frontier, seen = [(var, depth)], set()
-        while frontier:
-            v, left = frontier.pop()
-            if left == 0 or id(v) in seen:
-                continue
-            seen.add(id(v))
-            takers = self.consumers.get(id(v), [])
-            if any(e.primitive.name == "expm1" for e in takers):
-                return True
-            frontier += [(w, left - 1) for e in takers if e.primitive.name in _SOFTPLUS_OPS for w in e.outvars]
-            frontier += [(w, left - 1) for key in ("enter", "exit") for w in self.consumers.get((key, id(v)), [])]
-        return False
+        return 1 in parities and self._reaches(parities[1], "expm1", _SOFTPLUS_OPS, 24, links=("enter", "exit"))
 
     def _softplus_input(self, var) -> bool:
         takers = self.consumers.get(id(var), [])
         if not any(e.primitive.name == "max" for e in takers):
             return False
-        frontier = [(out, 5) for e in takers if e.primitive.name == "sub" and e.invars[0] is var for out in e.outvars]
-        while frontier:
-            v, left = frontier.pop()
-            takers = self.consumers.get(id(v), [])
-            if any(e.primitive.name == "exp" for e in takers):
-                return True
-            if left > 1:
-                frontier += [(w, left - 1) for e in takers if e.primitive.name in ("abs", "neg", *_SHIFT_TO_EXP)
-                             for w in e.outvars]
-        return False
+        shifted = [out for e in takers if e.primitive.name == "sub" and e.invars[0] is var for out in e.outvars]
+        return self._reaches(shifted, "exp", ("abs", "neg", *_SHIFT_TO_EXP), 5)
 
     def _dequantized(self, eqn) -> tuple[str, str] | None:
         """The FP8 formats of a matmul on two dequantized FP8 operands (`convert(f8) * scale`: Flax's

@@ -381,9 +381,10 @@ def fp8_applies(eqn, mode: Mode) -> bool:
     if mode.fp8 is None or eqn.primitive.name != "dot_general":
         return False
     (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
-    if lb or (mode.named_params and not weight_path(scope_names(eqn))):
+    scopes = scope_names(eqn)
+    if lb or (mode.named_params and not weight_path(scopes)):
         return False
-    if any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn)):
+    if any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn, scopes)):
         return False
     if mode.fp8.multiple is None:
         return True
