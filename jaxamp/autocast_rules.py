@@ -472,12 +472,13 @@ def _last_axis_iota(var, makers: dict) -> bool:
     return False
 
 
-def one_hot_vars(jaxpr, depth: int = 3) -> set:
+def one_hot_vars(jaxpr, depth: int = 3, seeds: Sequence = ()) -> set:
     """The variables of `jaxpr` that hold a one-hot array along their last axis, as `jax.nn.one_hot(ids, n)` makes
     it: `convert_element_type(ids[..., None] == iota)` with the iota counting along the last axis, through casts,
     and the outputs of a call that returns one (`jax.nn.one_hot` is a jit), at most `depth` calls deep. A mask or an
-    adjacency matrix (a boolean from any other comparison) is not one."""
-    found, makers, hot = set(), {}, set()
+    adjacency matrix (a boolean from any other comparison) is not one. `seeds`: variables known to hold one (a
+    jitted body's inputs that were one-hot where it was called), and their casts."""
+    found, makers, hot = set(seeds), {}, set()
     for eqn in jaxpr.eqns:
         for out in eqn.outvars:
             makers[out] = eqn

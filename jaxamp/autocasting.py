@@ -355,7 +355,7 @@ def _param_path(path) -> str | None:
 
 
 def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: Sequence | None = None,
-              arg_names: Sequence | None = None, traceback=None) -> list:
+              arg_names: Sequence | None = None, traceback=None, arg_hot: Sequence[bool] | None = None) -> list:
     """Evaluates an open `jaxpr` on `consts` and `args` (any dtypes), re-binding each equation under `mode`.
 
     Each equation is bound inside its own source info (traceback and name stack) and equation context, as
@@ -363,7 +363,9 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
     constants (see `autocast_rules.widest_dtype`); they are tracked through broadcasts and reshapes. `arg_names`
     (optional, per arg) are the param paths of args (see `_param_path`), tracked through casts, reshapes and
     transposes, into nested jits, scan, while and cond bodies, remat and custom_jvp; a matmul with a named operand
-    is bound in a `WEIGHT_SCOPE` name scope (rhs first, then lhs). `traceback` (optional) replaces every
+    is bound in a `WEIGHT_SCOPE` name scope (rhs first, then lhs). `arg_hot` (optional, per arg): the args that
+    hold a one-hot array (`autocast_rules.one_hot_vars`), carried into nested jits and remat so that a one-hot made
+    outside a jitted function is a selection inside it. `traceback` (optional) replaces every
     equation's own traceback. An equation whose own traceback holds no frame outside JAX (in the body of a function
     that JAX jitted, such as `jnp.take`, or a `custom_jvp` such as `jax.nn.relu`: that traceback ends at the jitted
     function) takes the traceback of the equation whose rule interprets this jaxpr, at any depth of nesting.
@@ -385,7 +387,8 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
         env[var] = val
     for var, val, b, n in zip(jaxpr.invars, args, arg_bounds or [None] * len(args), arg_names or [None] * len(args)):
         env[var], bound[var], named[var] = val, b, n
-    one_hot = set() if mode.reference else rules.one_hot_vars(jaxpr)
+    seeds = [v for v, hot in zip(jaxpr.invars, arg_hot or ()) if hot]
+    one_hot = set() if mode.reference else rules.one_hot_vars(jaxpr, seeds=seeds)
     for eqn in jaxpr.eqns:
         vals, bounds = [read(v) for v in eqn.invars], [read_bound(v) for v in eqn.invars]
         names = [None if isinstance(v, jex_core.Literal) else named.get(v) for v in eqn.invars]
@@ -393,10 +396,13 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
         rule, extra = _rule(eqn, mode), {}
         if rule in _NAMED_RULES and any(names):
             extra = {"names": names}
-        if eqn.primitive.name == "dot_general" and one_hot and rule is rules.FIRST_ORDER_RULES["dot_general"]:
-            hot = rules.selects(eqn, [not isinstance(v, jex_core.Literal) and v in one_hot for v in eqn.invars[:2]])
-            if any(hot):
-                rule, extra = rules.selection_rule, {"one_hot": hot}
+        hot = [not isinstance(v, jex_core.Literal) and v in one_hot for v in eqn.invars] if one_hot else []
+        if rule in _HOT_RULES and any(hot):
+            extra["hot"] = hot
+        if eqn.primitive.name == "dot_general" and any(hot) and rule is rules.FIRST_ORDER_RULES["dot_general"]:
+            selects = rules.selects(eqn, hot[:2])
+            if any(selects):
+                rule, extra = rules.selection_rule, {"one_hot": selects}
         own = traceback or _traceback(eqn, _ENCLOSING.get())
         with _enclosing(own), source_info_util.user_context(own, name_stack=name_stack), \
                 _eqn_context(eqn), \
@@ -467,7 +473,7 @@ def _closed_fn(closed, mode: Mode, names: Sequence | None = None) -> Callable[..
 # ----------------------------------------------------------------------------------------------- higher-order rules
 
 
-def _jit_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
+def _jit_rule(eqn, vals, mode: Mode, bounds=None, names=None, hot=None) -> list:
     """Nested jit: inlined (interpreted in place); specified in/out shardings become sharding constraints.
     `jaxamp.attention.dot_product_attention`'s jit: cuDNN's fused attention in the compute dtype where it applies."""
     params = eqn.params
@@ -480,7 +486,7 @@ def _jit_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     # takes its call's instead (so the audit finds the user's line that called it), as `interpret` gives an equation
     # with no frame outside JAX (`jnp.take`'s gather, the scatter of its gradient) its caller's.
     traceback = eqn.source_info.traceback if params.get("name") in ATTENTION_JIT_NAMES else None
-    outs = interpret(closed.jaxpr, closed.consts, vals, mode, bounds, names, traceback=traceback)
+    outs = interpret(closed.jaxpr, closed.consts, vals, mode, bounds, names, traceback=traceback, arg_hot=hot)
     return _constrain(outs, params.get("out_shardings"))
 
 
@@ -502,12 +508,12 @@ def _constrain(vals: list, shardings) -> list:
             for x, s in zip(vals, shardings)]
 
 
-def _closed_call_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
+def _closed_call_rule(eqn, vals, mode: Mode, bounds=None, names=None, hot=None) -> list:
     """closed_call / core_call: inlined."""
     call = eqn.params["call_jaxpr"]
     if isinstance(call, jex_core.ClosedJaxpr):
-        return interpret(call.jaxpr, call.consts, vals, mode, bounds, names)
-    return interpret(call, [], vals, mode, bounds, names)
+        return interpret(call.jaxpr, call.consts, vals, mode, bounds, names, arg_hot=hot)
+    return interpret(call, [], vals, mode, bounds, names, arg_hot=hot)
 
 
 def _scan_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
@@ -578,13 +584,14 @@ def _cond_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     return list(lax.switch(index, [branch_fn(b) for b in branches], *ops))
 
 
-def _remat_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
+def _remat_rule(eqn, vals, mode: Mode, bounds=None, names=None, hot=None) -> list:
     """checkpoint/remat: re-wrapped with `jax.checkpoint` (same policy and prevent_cse) over the interpreted body."""
     p = eqn.params
     jaxpr = p["jaxpr"]
     if jaxpr.constvars:
         return rules.original_rule(eqn, vals, mode, bounds)
-    fn = jax.checkpoint(lambda *xs: interpret(jaxpr, [], xs, mode, arg_names=names), prevent_cse=p["prevent_cse"],
+    fn = jax.checkpoint(lambda *xs: interpret(jaxpr, [], xs, mode, arg_names=names, arg_hot=hot),
+                        prevent_cse=p["prevent_cse"],
                         policy=p["policy"])
     return list(fn(*vals))
 
@@ -670,3 +677,5 @@ HIGHER_ORDER_RULES: dict[str, Callable[[Any, list, Mode], list]] = {
 # The higher-order rules that carry their operands' param paths (`names=`) into their bodies.
 _NAMED_RULES = frozenset({_jit_rule, _closed_call_rule, _scan_rule, _while_rule, _cond_rule, _remat_rule,
                           _custom_jvp_rule})
+# The higher-order rules that carry which operands are one-hot (`hot=`) into their bodies (inlined calls, remat).
+_HOT_RULES = frozenset({_jit_rule, _closed_call_rule, _remat_rule})

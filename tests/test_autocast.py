@@ -1002,6 +1002,35 @@ def test_attention_without_a_kernel_is_inlined_and_reference_and_masks_never_cal
     assert calls == []
 
 
+def test_a_one_hot_made_outside_a_nested_jit_is_a_selection_inside_it():
+    """A one-hot array made by the caller and passed into a jitted (or rematerialized) function is still one there:
+    the selection runs in the table's dtype (float32 rows, exact), as it does written inline. The audit leaves the
+    float32 selection rows out of `fallbacks`. A float mask passed in the same way stays a bfloat16 matmul."""
+    import optax
+
+    from jaxamp import NoOpLossScale, TrainState, precision_audit
+
+    table = jax.random.normal(jax.random.key(0), (32, 8))
+    ids = jnp.array([3, 0, 31, 3])
+    pick = jax.jit(lambda oh, t: oh @ t)
+    rows = jax.jit(autocast(lambda t, i: pick(jax.nn.one_hot(i, 32), t), jnp.bfloat16))(table, ids)
+    assert rows.dtype == jnp.float32 and np.array_equal(rows, table[ids])
+    twice = jax.jit(lambda oh, t: jax.checkpoint(lambda a, b: a @ b)(oh, t))
+    rows = autocast(lambda t, i: twice(jax.nn.one_hot(i, 32), t), jnp.bfloat16)(table, ids)
+    assert rows.dtype == jnp.float32 and np.array_equal(rows, table[ids])
+    mask = autocast(lambda t, x: pick((x > 0).astype(jnp.float32), t), jnp.bfloat16)(table, jnp.ones((2, 32)))
+    assert mask.dtype == jnp.bfloat16
+
+    def loss_fn(params, batch, rng):
+        return jnp.mean(pick(jax.nn.one_hot(batch, 32), params["table"]) ** 2)
+
+    state = TrainState.create(params={"table": table}, tx=optax.sgd(0.1), policy="bf16;autocast",
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(5))
+    report = precision_audit(state, ids, loss_fn)
+    assert report.rows and all(r["selection"] for r in report.rows), report.rows
+    assert report.fallbacks == ()
+
+
 def test_a_one_hot_matmul_is_a_selection_in_its_other_operands_dtype():
     """`jax.nn.one_hot(ids) @ table` and optax's `ctc_loss` (its log-probabilities gathered by one-hot einsums) are
     selections written as matmuls: autocast runs them in the other operand's dtype (torch.amp's gather and
