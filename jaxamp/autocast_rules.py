@@ -209,10 +209,13 @@ NAME_COMBINING = frozenset({"add", "add_any", "sub", "mul", "div"})
 def carried_name(eqn, names: Sequence) -> str | None:
     """The param path `eqn`'s first output carries from its inputs' (`names`, per input), or None: through
     `NAME_PRESERVING` and `NAME_SLICING` ops from the first input, through `NAME_COMBINING` ops from an input of the
-    output's shape (not a bias or a scale broadcast onto an activation)."""
+    output's shape (not a bias or a scale broadcast onto an activation), through a `concatenate` of params only
+    (Flax's `OptimizedLSTMCell` joins its four gates' kernels; a fused QKV) as their paths joined by `+`."""
     name = eqn.primitive.name
     if not names:
         return None
+    if name == "concatenate":
+        return "+".join(names) if all(names) else None
     if name in NAME_PRESERVING or name in NAME_SLICING:
         return names[0]
     if name in NAME_COMBINING:

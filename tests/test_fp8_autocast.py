@@ -586,12 +586,16 @@ def test_a_product_of_two_activations_stays_out_of_fp8():
             h = jnp.tanh(h @ params["w"][i])
         v = params["v"] * (params["g"] / jnp.linalg.norm(params["v"], axis=0))
         h = h @ v @ (params["out"] + params["a"] @ params["b"])
-        return jnp.mean(h ** 2)
+        gates = jnp.tanh(batch[0] @ jnp.concatenate([params["c1"], params["c2"]], axis=-1))  # OptimizedLSTMCell's
+        mixed = batch[1] @ jnp.concatenate([params["c2"], batch[0][:4].T], axis=-1)  # a param beside an activation
+        return jnp.mean(h ** 2) + jnp.mean(gates) + jnp.mean(mixed)
 
     params = {"w": jnp.ones((2, 32, 32)) * 0.1, "v": jnp.ones((32, 32)), "g": jnp.ones((32,)),
-              "out": jnp.ones((32, 8)), "a": jnp.ones((32, 2)), "b": jnp.ones((2, 8))}
+              "out": jnp.ones((32, 8)), "a": jnp.ones((32, 2)), "b": jnp.ones((2, 8)),
+              "c1": jnp.ones((32, 4)) * 0.1, "c2": jnp.ones((32, 4))}
     state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="fp8-current", loss_scale=NoOpLossScale(),
                               rng=jax.random.key(3))
     rows = [r for r in precision_audit(state, (a, b), stacked).rows if r["pass"] == "forward"]
     assert sorted((r["weight"], r["lhs"][:6]) for r in rows) == [
-        ("b", "float8"), ("out", "float8"), ("v", "float8"), ("w", "float8"), ("w", "float8")], rows
+        ("", "bfloat"), ("b", "float8"), ("c1+c2", "float8"), ("out", "float8"), ("v", "float8"), ("w", "float8"),
+        ("w", "float8")], rows
