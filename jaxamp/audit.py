@@ -98,6 +98,11 @@ _CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpo
           "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
 
 
+# Ops through which a value is still the array it came from (a param's cast, reshape, transpose).
+_SHAPE_AND_CAST_OPS = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose", "squeeze",
+                                 "expand_dims"})
+
+
 class PrecisionWarning(UserWarning):
     """A half-precision policy that runs much of the step in float32, or sums in half precision past the format's
     limit (see `jaxamp.audit`)."""
@@ -465,12 +470,19 @@ class _Walk:
             var = maker.invars[0]
         return False
 
+    def scope(self, eqn) -> str:
+        """The module scope of `eqn` (its name stack under those of the calls it was visited in), `/`-joined."""
+        prefix = [n for call in self.held_by.get(id(eqn), ()) for n in _names(call)]
+        return "/".join(_scope([*prefix, *_names(eqn)]))
+
     def cause(self, eqn) -> str:
-        """The op that made `eqn`'s float32 operand float32, in one line: walking back along float32 values, the
-        first op with a half-precision input. A half-precision weight promoted to float32 by the layer itself (a
-        cast on the matmul's own line) is the consequence of a float32 input, not its cause: it is named only when
-        nothing else is found."""
-        own_source = self.where(eqn)[0]
+        """The op that made `eqn`'s float32 operand float32, in one line, with its module scope: walking back along
+        float32 values, the first op with a half-precision input. A layer that promotes its own half-precision
+        weight to float32 (flax's `promote_dtype` under `dtype=float32`, or with a float32 input) shows that it
+        computes in float32, not why its input was float32: such promotions are named only when nothing else is
+        found, the most upstream one (a Hugging Face model whose modules all compute in float32: its embedding;
+        every op of a model from an installed package is on the user's one line that called it, so the scopes
+        tell its layers apart)."""
         seen: set = set()
         promotion = None
         frontier = [v for v in eqn.invars if _is_var(v) and _dtype(v) == "float32"]
@@ -488,14 +500,31 @@ class _Walk:
                 return f"a float32 input of the step ({var.aval.str_short()}) reached it unchanged"
             floats = [v for v in maker.invars if _is_var(v) and jnp.issubdtype(v.aval.dtype, jnp.floating)]
             if any(_is_half(v.aval.dtype) for v in floats):
-                source, library, _ = self.where(maker)
-                found = (f"{library} at {source}" if library else source) + \
-                    f" returned float32 from half-precision inputs ({maker.primitive.name})"
-                if source != own_source or maker.primitive.name != "convert_element_type":
-                    return found
-                promotion = promotion or found
+                (source, library, _), scope = self.where(maker), self.scope(maker)
+                where = (f"{library} at {source}" if library else source) + (f" (in {scope})" if scope else "")
+                if maker.primitive.name != "convert_element_type" or not self._from_input(maker.invars[0]):
+                    return f"{where} returned float32 from half-precision inputs ({maker.primitive.name})"
+                promotion = (f"{where} promoted a half-precision param to float32 (convert_element_type): it "
+                             "computes in float32 (its `dtype`)")
             frontier.extend(v for v in floats if _dtype(v) == "float32")
         return promotion or "no half-precision value reached it (the model computes in float32 there)"
+
+    def _from_input(self, var, depth: int = 8) -> bool:
+        """Whether `var` is an input of the step (a param, cast to the compute dtype by the policy) through casts,
+        shape ops and call boundaries: a layer's own weight, not an activation."""
+        for _ in range(depth):
+            if not _is_var(var):
+                return False
+            step = self._through_calls(var)
+            if step is None:
+                maker = self.producer.get(id(var))
+                if maker is None:
+                    return True
+                if maker.primitive.name not in _SHAPE_AND_CAST_OPS:
+                    return False
+                step = maker.invars[0]
+            var = step
+        return False
 
     def _one_hot(self, var, depth: int) -> bool:
         """Whether `var` holds a one-hot array, `jax.nn.one_hot`'s `convert(ids[..., None] == iota)` (through shape

@@ -703,3 +703,29 @@ def test_a_float32_results_pattern_that_takes_every_matmul_is_reported():
 
     assert "made every forward matmul (3) write float32" in summary("bf16;autocast;float32_results+=^Deeper$")
     assert "made every forward matmul" not in summary("bf16;autocast;float32_results+=^output_layer$")
+
+
+def test_the_cause_in_a_model_from_a_package_names_the_layer_that_went_float32_first():
+    """Every op of a Hugging Face model is on the user's one line that called it, so the line alone cannot say which
+    layer made the activations float32; the cause names the module scope. A layer promoting its own weight (each
+    module of an HF model built with `dtype=float32`: its LayerNorms, its Dense layers) only shows that it computes
+    in float32: the cause is the most upstream such layer, the embedding, not the LayerNorm before the matmul."""
+    from transformers import BloomConfig, FlaxBloomForCausalLM
+
+    with jax.numpy_dtype_promotion("standard"):  # Hugging Face's code mixes dtypes
+        model = FlaxBloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2),
+                                     input_shape=(2, 8), seed=0, _do_init=False)
+        params = model.init_weights(jax.random.key(0), (2, 8))
+    ids = jnp.arange(16).reshape(2, 8) % 64
+
+    def loss_fn(params, batch, rng):
+        with jax.numpy_dtype_promotion("standard"):
+            logits = model(batch, params=params).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch[:, 1:]).mean()
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(1))
+    report = precision_audit(state, ids, loss_fn)
+    cause = report.fallbacks[0]["cause"]
+    assert report.half_fraction == 0.0
+    assert "(in FlaxBloomForCausalLMModule/transformer/word_embeddings) promoted a half-precision param" in cause, cause
