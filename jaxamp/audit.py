@@ -717,7 +717,8 @@ class PrecisionReport:
         head_at, into = f"the output head {head['weight']} at {head['source']}", head.get("into", "softmax")
         if head["lhs"].startswith("float8"):
             spec = _add_pattern(self.policy, "fp8_exclude", pattern)
-            spec = _add_pattern(spec, "float32_results", pattern) if self.float32_results else spec
+            if self.float32_results and head["out"] != "float32":  # (a default pattern may keep its result float32)
+                spec = _add_pattern(spec, "float32_results", pattern)
             return (f"{head_at} runs in FP8 into a {into} (a head, or a router, no pattern names): policy '{spec}' "
                     "keeps it out")
         return (f"{head_at} writes {head['out']} logits into a {into} (a head, or a router, no pattern names): policy "

@@ -154,7 +154,8 @@ def fidelity_report(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_
       noise_floor: also compute each leaf's relative error between the float32 gradient at the master weights and
         the float32 gradient at the weights rounded once to the compute dtype (True) or to the dtype given (e.g.
         `jnp.bfloat16` for a float16 policy too): what rounding the weights alone costs (an ill-conditioned model
-        at init moves a lot from that alone). Static under jit.
+        at init moves a lot from that alone). Static under jit. True under a float32 policy warns (a
+        `PrecisionWarning`: every floor would read 0; pass the model's own dtype).
       carry: a stateful loss's state, as for `grad_fidelity` (None = the state's `model_state`, if any).
 
     Returns:
@@ -176,6 +177,11 @@ def fidelity_report(state: TrainState, batch: PyTree, loss_fn: LossFn, *, accum_
         rng = jax.random.fold_in(state.rng, state.step)
         regular, fp8 = split_fp8(state.params)
         compute = state.policy.compute_dtype if noise_floor is True else noise_floor
+        if noise_floor is True and jnp.dtype(compute) == jnp.float32:
+            warnings.warn("fidelity_report: noise_floor=True rounds the weights to the policy's compute dtype, "
+                          "float32 here, so every floor reads 0; for a model that fixes its own half-precision "
+                          "dtype (dtype=jnp.bfloat16 in its config) pass that dtype: noise_floor=jnp.bfloat16",
+                          PrecisionWarning, stacklevel=2)
         rounded = jax.tree.map(lambda p: p.astype(compute).astype(p.dtype)
                                if jnp.issubdtype(p.dtype, jnp.floating) else p, regular)
         at_rounded = _reference(state, batch, loss_fn, rng, accum_steps, reference_loss_fn, carry,

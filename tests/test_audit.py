@@ -259,6 +259,25 @@ def test_fidelity_report_marks_near_zero_leaves_and_keeps_them_out_of_the_worst(
     assert float(report["global_rel_err"]["shift"]) < 1e-3
 
 
+def test_noise_floor_true_under_a_float32_policy_warns_and_a_dtype_gives_the_floor():
+    """`noise_floor=True` rounds to the policy's compute dtype: under `fp32` (a model that fixes its own bf16 dtype)
+    every floor would read 0, so it warns and names the fix; `noise_floor=jnp.bfloat16` gives the floor."""
+    def loss(params, batch, rng):
+        return jnp.mean((batch @ params["w"].astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
+
+    params = {"w": jax.random.normal(jax.random.key(0), (16, 8))}
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="fp32", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(1))
+    batch = jax.random.normal(jax.random.key(2), (64, 16)).astype(jnp.bfloat16)
+    with pytest.warns(PrecisionWarning, match=r"float32 here, so every floor reads 0.*noise_floor=jnp.bfloat16"):
+        zero = fidelity_report(state, batch, loss, noise_floor=True)
+    assert float(zero["noise_floor"]["w"]) == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PrecisionWarning)
+        floor = fidelity_report(state, batch, loss, noise_floor=jnp.bfloat16)
+    assert 1e-4 < float(floor["noise_floor"]["w"]) < 0.05 and float(floor["rel_err"]["w"]) > 0
+
+
 def test_keep_float32_matches_boxed_params_and_its_refusal_suggests_a_pattern_that_matches():
     class Boxed(nn.Module):
         @nn.compact
