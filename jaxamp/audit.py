@@ -502,14 +502,14 @@ class _Walk:
             if any(_is_half(v.aval.dtype) for v in floats):
                 (source, library, _), scope = self.where(maker), self.scope(maker)
                 where = (f"{library} at {source}" if library else source) + (f" (in {scope})" if scope else "")
-                if maker.primitive.name != "convert_element_type" or not self._from_input(maker.invars[0]):
+                if maker.primitive.name != "convert_element_type" or not self.from_input(maker.invars[0]):
                     return f"{where} returned float32 from half-precision inputs ({maker.primitive.name})"
                 promotion = (f"{where} promoted a half-precision param to float32 (convert_element_type): it "
                              "computes in float32 (its `dtype`)")
             frontier.extend(v for v in floats if _dtype(v) == "float32")
         return promotion or "no half-precision value reached it (the model computes in float32 there)"
 
-    def _from_input(self, var, depth: int = 8) -> bool:
+    def from_input(self, var, depth: int = 8) -> bool:
         """Whether `var` is an input of the step (a param, cast to the compute dtype by the policy) through casts,
         shape ops and call boundaries: a layer's own weight, not an activation."""
         for _ in range(depth):
@@ -713,8 +713,14 @@ class PrecisionReport:
         if not heads:
             return ""
         head = max(heads, key=lambda r: r["flops"])
+        into = head.get("into", "softmax")
+        if not head["weight"]:  # its weight is no param: no pattern can name it by path
+            return (f"the output head at {head['source']} (its weight is an input of the step outside the params, "
+                    f"e.g. another network's in the batch) writes {head['out']} logits into a {into}: pass that "
+                    "network in the params, frozen (TrainState.create(..., trainable=)), and this audit names the "
+                    "policy that keeps them float32")
         pattern = f"^{re.escape(head['weight'])}$"  # the whole param path: a module name alone recurs (`out`)
-        head_at, into = f"the output head {head['weight']} at {head['source']}", head.get("into", "softmax")
+        head_at = f"the output head {head['weight']} at {head['source']}"
         if head["lhs"].startswith("float8"):
             spec = _add_pattern(self.policy, "fp8_exclude", pattern)
             if self.float32_results and head["out"] != "float32":  # (a default pattern may keep its result float32)
@@ -841,9 +847,12 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
     total = sum(r["flops"] for r in counted)
     half = sum(r["flops"] for r in counted if _is_half(r["lhs"]) and _is_half(r["rhs"]))
     fallbacks = [dict(r) for r in counted if compute_half and not (_is_half(r["lhs"]) and _is_half(r["rhs"]))]
+    # (a weight matmul: a param operand, or an operand that is another input of the step, such as the other
+    # network's weights a GAN's generator step takes in its batch; not attention's product of two activations)
     half_logits = [{**r, "into": into} for r, eqn in zip(walk.rows, walk.eqns)
-                   if autocast and r["pass"] == "forward" and r["weight"]
+                   if autocast and r["pass"] == "forward"
                    and (_is_half(r["out"]) or r["lhs"].startswith("float8"))
+                   and (r["weight"] or any(walk.from_input(v) for v in eqn.invars[:2]))
                    and (into := walk.feeds_softmax(eqn.outvars[0], _class_sizes(eqn)))]
     if fallbacks:
         row, eqn = walk.first_fallback

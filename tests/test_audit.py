@@ -748,3 +748,44 @@ def test_the_cause_in_a_model_from_a_package_names_the_layer_that_went_float32_f
     cause = report.fallbacks[0]["cause"]
     assert report.half_fraction == 0.0
     assert "(in FlaxBloomForCausalLMModule/transformer/word_embeddings) promoted a half-precision param" in cause, cause
+
+
+def test_a_head_whose_weights_come_in_the_batch_is_found_and_frozen_params_name_it():
+    """A GAN's generator step that takes the discriminator's weights in its batch: the discriminator's head writes
+    bf16 logits into a log-sigmoid. The audit said no half-precision result reached one ("right for a regression")
+    and train_step did not warn; it now finds the head and says how to name it: the discriminator in the params,
+    frozen, where the suggested policy keeps its logits float32 and trains the generator alone."""
+    def mlp(key, sizes):
+        keys = jax.random.split(key, len(sizes) - 1)
+        return [{"w": jax.random.normal(k, (a, b)) / a ** 0.5} for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+
+    def run(layers, x):
+        for i, layer in enumerate(layers):
+            x = x @ layer["w"]
+            x = jnp.tanh(x) if i < len(layers) - 1 else x
+        return x
+
+    gen, disc = mlp(jax.random.key(0), (4, 32, 16)), mlp(jax.random.key(1), (16, 32, 1))
+
+    def gan_loss(g, d, z):
+        logits = run(d, run(g, z))[:, 0]
+        return optax.sigmoid_binary_cross_entropy(logits, jnp.ones_like(logits)).mean()
+
+    z = jax.random.normal(jax.random.key(2), (8, 4))
+    in_batch = TrainState.create(params=gen, tx=optax.adam(1e-3), policy="bf16;autocast", loss_scale=NoOpLossScale(),
+                                 rng=jax.random.key(3))
+    report = precision_audit(in_batch, {"z": z, "d": disc}, lambda p, b, rng: gan_loss(p, b["d"], b["z"]))
+    assert [(r["weight"], r["into"]) for r in report.half_logits] == [("", "log-sigmoid")], report.half_logits
+    assert "its weight is an input of the step outside the params" in report.summary()
+    assert "right for a regression" not in report.summary()
+
+    frozen = TrainState.create(params={"g": gen, "d": disc}, tx=optax.adam(1e-3), policy="bf16;autocast",
+                               loss_scale=NoOpLossScale(), rng=jax.random.key(3),
+                               trainable=lambda path, x: path[0].key == "g")
+    loss = lambda p, b, rng: gan_loss(p["g"], p["d"], b["z"])
+    note = precision_audit(frozen, {"z": z}, loss).summary()
+    policy = re.search(r"policy '([^']*)'", note).group(1)
+    assert policy == r"bf16;autocast;float32_results+=^d\.1\.w$", note
+    fixed = precision_audit(frozen.with_policy(policy, NoOpLossScale()), {"z": z}, loss)
+    assert fixed.half_logits == () and [r["out"] for r in fixed.rows if r["pass"] == "forward"] == [
+        "bfloat16", "bfloat16", "bfloat16", "float32"]
