@@ -379,24 +379,23 @@ def fp8_applies(eqn, mode: Mode) -> bool:
     """Whether the FP8 recipe takes this matmul: a weight matmul, as Transformer Engine's Linear layers quantize
     theirs: a `dot_general` without batch dimensions (the attention's batched score and value matmuls keep the
     compute dtype) with a param operand where the function's arguments hold params (`mode.named_params`: CLIP's
-    image x text similarity keeps it), a product of two matrices (not a matrix-vector product: Equinox's
-    `SpectralNorm` estimates a weight's norm with `u @ W @ v`, and FP8 GEMMs, Transformer Engine's and XLA's
-    rewrite, take matrices), not excluded by name, and of sizes the recipe takes (MXFP8: multiples of 32)."""
+    image x text similarity keeps it), not excluded by name, and of sizes the recipe takes (MXFP8: multiples of
+    32)."""
     if mode.fp8 is None or eqn.primitive.name != "dot_general":
         return False
     (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
     scopes = scope_names(eqn)
     if lb or (mode.named_params and not weight_path(scopes)):
         return False
+    if any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn, scopes)):
+        return False
+    if mode.fp8.multiple is None:
+        return True
     lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
     k = int(np.prod([lhs[d] for d in lc]))
     m = int(np.prod([s for d, s in enumerate(lhs) if d not in lc]))
     n_ = int(np.prod([s for d, s in enumerate(rhs) if d not in rc]))
-    if m <= 1 or n_ <= 1:
-        return False
-    if any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn, scopes)):
-        return False
-    return mode.fp8.multiple is None or all(size % mode.fp8.multiple == 0 for size in (k, m, n_))
+    return all(size % mode.fp8.multiple == 0 for size in (k, m, n_))
 
 
 def fp8_dot(eqn, operands: list, params: dict, mode: Mode):
