@@ -338,6 +338,24 @@ class _Walk:
                          for w in eqn.outvars]  # (padded or joined logits: their axis is no longer the weight's)
         return ""
 
+    def attends(self, var, depth: int = 10) -> bool:
+        """Whether `var` reaches a forward matmul through other ops, at most `depth` values on: attention scores
+        (`softmax(q @ k.T) @ v`), not logits (a head's softmax goes to the loss; only the backward's matmuls follow)."""
+        frontier, seen = [(var, depth)], set()
+        while frontier:
+            v, left = frontier.pop()
+            if left == 0 or id(v) in seen:
+                continue
+            seen.add(id(v))
+            for e in self.consumers.get(id(v), []):
+                if e.primitive.name in _MATMULS and _pass(e, self.backward) == "forward" and \
+                        "transpose" not in str(e.source_info.name_stack):
+                    return True
+                if e.primitive.name not in _MATMULS:
+                    frontier += [(w, left - 1) for w in e.outvars]
+            frontier += [(w, left - 1) for key in ("enter", "exit") for w in self.consumers.get((key, id(v)), [])]
+        return False
+
     def _aliases(self, var) -> list:
         """`var` and its copies a softmax may take instead: casts (autocast's float32 cast before `logsumexp`'s
         `x - max`), masks (`where=`: `select_n`) and call boundaries (a jitted `_where`)."""
@@ -510,8 +528,9 @@ class _Walk:
         return promotion or "no half-precision value reached it (the model computes in float32 there)"
 
     def from_input(self, var, depth: int = 8) -> bool:
-        """Whether `var` is an input of the step (a param, cast to the compute dtype by the policy) through casts,
-        shape ops and call boundaries: a layer's own weight, not an activation."""
+        """Whether `var` is a float32 input of the step (a master weight, cast to the compute dtype by the policy or
+        by autocast) through casts, shape ops and call boundaries: a weight, not an activation. A half-precision
+        input (a bfloat16 batch) is not one: a model that converts it to float32 made its activations float32."""
         for _ in range(depth):
             if not _is_var(var):
                 return False
@@ -519,7 +538,7 @@ class _Walk:
             if step is None:
                 maker = self.producer.get(id(var))
                 if maker is None:
-                    return True
+                    return _dtype(var) == "float32"
                 if maker.primitive.name not in _SHAPE_AND_CAST_OPS:
                     return False
                 step = maker.invars[0]
@@ -715,15 +734,16 @@ class PrecisionReport:
         head = max(heads, key=lambda r: r["flops"])
         into = head.get("into", "softmax")
         if not head["weight"]:  # its weight is no param: no pattern can name it by path
-            return (f"the output head at {head['source']} (its weight is an input of the step outside the params, "
-                    f"e.g. another network's in the batch) writes {head['out']} logits into a {into}: pass that "
-                    "network in the params, frozen (TrainState.create(..., trainable=)), and this audit names the "
-                    "policy that keeps them float32")
+            return (f"the output head at {head['source']} (an operand is an input of the step outside the params: "
+                    f"another network's weights, a graph's adjacency matrix) writes {head['out']} logits into a "
+                    f"{into}: wrap that call in jax.named_scope('head') (a default float32_results pattern), or "
+                    "pass that network in the params, frozen (TrainState.create(..., trainable=)), where this audit "
+                    "names the policy that keeps them float32")
         pattern = f"^{re.escape(head['weight'])}$"  # the whole param path: a module name alone recurs (`out`)
         head_at = f"the output head {head['weight']} at {head['source']}"
         if head["lhs"].startswith("float8"):
             spec = _add_pattern(self.policy, "fp8_exclude", pattern)
-            if self.float32_results and head["out"] != "float32":  # (a default pattern may keep its result float32)
+            if self.float32_results and not head.get("float32_results_names"):  # (a default may name it already)
                 spec = _add_pattern(spec, "float32_results", pattern)
             return (f"{head_at} runs in FP8 into a {into} (a head, or a router, no pattern names): policy '{spec}' "
                     "keeps it out")
@@ -849,10 +869,14 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
     fallbacks = [dict(r) for r in counted if compute_half and not (_is_half(r["lhs"]) and _is_half(r["rhs"]))]
     # (a weight matmul: a param operand, or an operand that is another input of the step, such as the other
     # network's weights a GAN's generator step takes in its batch; not attention's product of two activations)
-    half_logits = [{**r, "into": into} for r, eqn in zip(walk.rows, walk.eqns)
+    results = [re.compile(p) for p in float32_results or ()]
+    half_logits = [{**r, "into": into, "float32_results_names": any(  # (an FP8 head a pattern would keep float32)
+                        rx.search(n) for rx in results for n in exclusion_names(eqn, scopes))}
+                   for r, eqn, scopes in zip(walk.rows, walk.eqns, walk.names)
                    if autocast and r["pass"] == "forward"
                    and (_is_half(r["out"]) or r["lhs"].startswith("float8"))
-                   and (r["weight"] or any(walk.from_input(v) for v in eqn.invars[:2]))
+                   and (r["weight"] or (any(walk.from_input(v) for v in eqn.invars[:2])
+                                        and not walk.attends(eqn.outvars[0])))
                    and (into := walk.feeds_softmax(eqn.outvars[0], _class_sizes(eqn)))]
     if fallbacks:
         row, eqn = walk.first_fallback

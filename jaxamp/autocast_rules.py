@@ -370,8 +370,13 @@ def exclusion_names(eqn, scopes=None) -> list[str]:
     (`frame_names`)."""
     names = []
     for name in scope_names(eqn) if scopes is None else scopes:
-        parts = weight_path([name]).split(".")
-        names += [".".join(parts[:i + 1]) for i in range(len(parts))] if parts != [""] else [name]
+        path = weight_path([name])
+        if not path:
+            names.append(name)
+            continue
+        for joined in ([path, *path.split("+")] if "+" in path else [path]):  # params concatenated: each one's
+            parts = joined.split(".")
+            names += [".".join(parts[:i + 1]) for i in range(len(parts))]
     return [*names, *frame_names(eqn)]
 
 

@@ -750,6 +750,27 @@ def test_the_cause_in_a_model_from_a_package_names_the_layer_that_went_float32_f
     assert "(in FlaxBloomForCausalLMModule/transformer/word_embeddings) promoted a half-precision param" in cause, cause
 
 
+def test_a_bfloat16_batch_the_model_converts_to_float32_is_the_cause_not_a_params_promotion():
+    """A model that converts a bfloat16 batch to float32 made its activations float32: that line is the cause, even
+    with a param promoted to float32 after it (a learned input scale); a half-precision input of the step is no
+    cast master weight."""
+    params = {"w1": jax.random.normal(jax.random.key(0), (48, 64)) / 7, "scale": jnp.ones((48,))}
+    batch = (jax.random.normal(jax.random.key(2), (16, 48)).astype(jnp.bfloat16), jnp.arange(16) % 10)
+
+    def loss(p, b, rng):
+        x = b[0].astype(jnp.float32)  # CAUSE_LINE
+        x = x * p["scale"].astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(jnp.tanh(x @ p["w1"].astype(jnp.float32))[:, :10],
+                                                               b[1]).mean()
+
+    line = next(i for i, text in enumerate(inspect.getsource(loss).splitlines()) if "# CAUSE_LINE" in text)
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(1))
+    cause = precision_audit(state, batch, loss).fallbacks[0]["cause"]
+    assert cause == (f"test_audit.py:{inspect.getsourcelines(loss)[1] + line} returned float32 from "
+                     "half-precision inputs (convert_element_type)"), cause
+
+
 def test_a_head_whose_weights_come_in_the_batch_is_found_and_frozen_params_name_it():
     """A GAN's generator step that takes the discriminator's weights in its batch: the discriminator's head writes
     bf16 logits into a log-sigmoid. The audit said no half-precision result reached one ("right for a regression")
@@ -776,7 +797,7 @@ def test_a_head_whose_weights_come_in_the_batch_is_found_and_frozen_params_name_
                                  rng=jax.random.key(3))
     report = precision_audit(in_batch, {"z": z, "d": disc}, lambda p, b, rng: gan_loss(p, b["d"], b["z"]))
     assert [(r["weight"], r["into"]) for r in report.half_logits] == [("", "log-sigmoid")], report.half_logits
-    assert "its weight is an input of the step outside the params" in report.summary()
+    assert "an operand is an input of the step outside the params" in report.summary()
     assert "right for a regression" not in report.summary()
 
     frozen = TrainState.create(params={"g": gen, "d": disc}, tx=optax.adam(1e-3), policy="bf16;autocast",
@@ -786,6 +807,16 @@ def test_a_head_whose_weights_come_in_the_batch_is_found_and_frozen_params_name_
     note = precision_audit(frozen, {"z": z}, loss).summary()
     policy = re.search(r"policy '([^']*)'", note).group(1)
     assert policy == r"bf16;autocast;float32_results+=^d\.1\.w$", note
+    memory = jax.random.normal(jax.random.key(4), (12, 16))  # attention over a memory in the batch: not a head
+
+    def attend(p, b, rng):
+        q = b["x"] @ p["wq"]
+        return jnp.mean((jax.nn.softmax(q @ b["memory"].T) @ b["memory"] - b["y"]) ** 2)
+
+    attention = TrainState.create(params={"wq": jnp.ones((8, 16)) / 8}, tx=optax.sgd(0.1), policy="bf16;autocast",
+                                  loss_scale=NoOpLossScale(), rng=jax.random.key(3))
+    batch = {"x": jax.random.normal(jax.random.key(5), (4, 8)), "memory": memory, "y": jnp.zeros((4, 16))}
+    assert precision_audit(attention, batch, attend).half_logits == ()
     fixed = precision_audit(frozen.with_policy(policy, NoOpLossScale()), {"z": z}, loss)
     assert fixed.half_logits == () and [r["out"] for r in fixed.rows if r["pass"] == "forward"] == [
         "bfloat16", "bfloat16", "bfloat16", "float32"]

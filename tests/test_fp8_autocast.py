@@ -598,3 +598,6 @@ def test_a_product_of_two_activations_stays_out_of_fp8():
     assert sorted((r["weight"], r["lhs"][:6]) for r in rows) == [
         ("", "bfloat"), ("b", "float8"), ("c1+c2", "float8"), ("out", "float8"), ("v", "float8"), ("w", "float8"),
         ("w", "float8")], rows
+    excluded = state.replace(policy=get_policy("fp8-current;fp8_exclude+=^c2$"))  # one of the concatenated params
+    rows = [r for r in precision_audit(excluded, (a, b), stacked).rows if r["pass"] == "forward"]
+    assert [r["lhs"][:6] for r in rows if r["weight"] == "c1+c2"] == ["bfloat"], rows
