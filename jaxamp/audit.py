@@ -63,8 +63,10 @@ _SHIFT_TO_EXP = ("convert_element_type", "broadcast_in_dim", "reshape", "transpo
 # The ops between an FP8 value and the matmul that takes it dequantized (`convert(f8) * scale`, reshaped).
 _DEQUANTIZE_OPS = ("convert_element_type", "mul", "div", "broadcast_in_dim", "reshape", "transpose", "squeeze",
                    "copy", "copy_p")
-# The ops a one-hot array (`jax.nn.one_hot`'s) goes through to a matmul, forward or backward.
-_ONE_HOT_OPS = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy", "convert_element_type")
+# Ops through which a value is still the array it came from (casts and shape ops): a one-hot array
+# (`jax.nn.one_hot`'s) on its way to a matmul, forward or backward; a param cast by the policy (`from_input`).
+_SHAPE_AND_CAST_OPS = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy",
+                       "convert_element_type")
 # The ops of a softplus (`logaddexp(x, 0)`) and of the log-sigmoid around it, up to what a loss does next.
 _SOFTPLUS_OPS = ("neg", "add", "sub", "max", "abs", "exp", "log1p", "select_n", "convert_element_type",
                  "broadcast_in_dim", "reshape")
@@ -96,11 +98,6 @@ def _is_library(filename: str) -> bool:
     return filename.startswith(_LIBRARIES)
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
           "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
-
-
-# Ops through which a value is still the array it came from (a param's cast, reshape, transpose).
-_SHAPE_AND_CAST_OPS = frozenset({"convert_element_type", "reshape", "broadcast_in_dim", "transpose", "squeeze",
-                                 "expand_dims"})
 
 
 class PrecisionWarning(UserWarning):
@@ -348,8 +345,7 @@ class _Walk:
                 continue
             seen.add(id(v))
             for e in self.consumers.get(id(v), []):
-                if e.primitive.name in _MATMULS and _pass(e, self.backward) == "forward" and \
-                        "transpose" not in str(e.source_info.name_stack):
+                if e.primitive.name in _MATMULS and _pass(e) == "forward":
                     return True
                 if e.primitive.name not in _MATMULS:
                     frontier += [(w, left - 1) for w in e.outvars]
@@ -555,7 +551,7 @@ class _Walk:
         if step is not None:
             return self._one_hot(step, depth - 1)
         maker = self.producer.get(id(var))
-        if maker is None or maker.primitive.name not in _ONE_HOT_OPS or not maker.invars:
+        if maker is None or maker.primitive.name not in _SHAPE_AND_CAST_OPS or not maker.invars:
             return False
         if maker.primitive.name == "convert_element_type" and _dtype(maker.invars[0]) == "bool":
             compare = self.producer.get(id(maker.invars[0]))

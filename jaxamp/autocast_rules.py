@@ -374,7 +374,7 @@ def exclusion_names(eqn, scopes=None) -> list[str]:
         if not path:
             names.append(name)
             continue
-        for joined in ([path, *path.split("+")] if "+" in path else [path]):  # params concatenated: each one's
+        for joined in dict.fromkeys([path, *path.split("+")]):  # params concatenated (`a+b`): each one's too
             parts = joined.split(".")
             names += [".".join(parts[:i + 1]) for i in range(len(parts))]
     return [*names, *frame_names(eqn)]
