@@ -220,6 +220,23 @@ def _sub_jaxprs(eqn):
                 yield jaxpr, trips
 
 
+def _inputs(eqn, sub) -> list:
+    """`(operand, inner input)` pairs of `eqn` and its sub-program `sub` where the inner input holds the operand's
+    values (a call's, a cond branch's operands; a scan's consts, and its xs a slice at a time; a while body's
+    consts), not a loop's carry."""
+    name, outer, inner = eqn.primitive.name, list(eqn.invars), list(sub.invars)
+    if name in _CALLS or name == "cond":
+        return list(zip(outer[len(outer) - len(inner):], inner))
+    if name == "scan" and "num_consts" in eqn.params:
+        n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        keep = [i for i in range(len(inner)) if not n_consts <= i < n_consts + n_carry]
+        return [(outer[i], inner[i]) for i in keep] if len(outer) == len(inner) else []
+    if name == "while" and sub is getattr(eqn.params["body_jaxpr"], "jaxpr", None):
+        n_c, n_b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        return list(zip(outer[n_c:n_c + n_b], inner[:n_b]))
+    return []
+
+
 @dataclasses.dataclass
 class _Walk:
     """Everything found in one traversal; `producer` maps a variable to the equation that made it (through calls)."""
@@ -257,8 +274,8 @@ class _Walk:
                     for outer, inner in zip(eqn.outvars, sub.outvars):
                         if hasattr(inner, "aval") and not hasattr(inner, "val"):
                             self.producer.setdefault(("alias", id(outer)), inner)
-                    for outer, inner in zip(eqn.invars[len(eqn.invars) - len(sub.invars):], sub.invars):
-                        self.producer.setdefault(("input", id(inner)), outer)
+                for outer, inner in _inputs(eqn, sub):
+                    self.producer.setdefault(("input", id(inner)), outer)
                 self._link(eqn, sub)
                 outer = self.backward, self.prefix, self.calls
                 self.backward = _pass(eqn, self.backward) == "backward"

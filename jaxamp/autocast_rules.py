@@ -195,8 +195,10 @@ def const_bound(x) -> float | None:
 BOUND_PRESERVING = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "transpose", "copy"})
 
 # Ops whose output is a view of their first input's values (a param cast, transposed or resharded is still that
-# param): the interpreter carries an input's param path through them to the matmul that uses it.
-NAME_PRESERVING = BOUND_PRESERVING | {"sharding_constraint", "reshard", "mesh_cast", "pvary", "device_put"}
+# param; so is a target network's `lax.stop_gradient(params)`, DQN's or BYOL's): the interpreter carries an input's
+# param path through them to the matmul that uses it.
+NAME_PRESERVING = BOUND_PRESERVING | {"sharding_constraint", "reshard", "mesh_cast", "pvary", "device_put",
+                                      "stop_gradient"}
 
 # Ops that take a slice of their first input (a layer's weights out of a stack: `w[i]`, `fori_loop`'s
 # `dynamic_slice`): still that param, for the matmul that uses it.
@@ -483,9 +485,10 @@ def _last_axis_iota(var, makers: dict) -> bool:
 def one_hot_vars(jaxpr, depth: int = 3, seeds: Sequence = ()) -> set:
     """The variables of `jaxpr` that hold a one-hot array along their last axis, as `jax.nn.one_hot(ids, n)` makes
     it: `convert_element_type(ids[..., None] == iota)` with the iota counting along the last axis, through casts,
-    and the outputs of a call that returns one (`jax.nn.one_hot` is a jit), at most `depth` calls deep. A mask or an
-    adjacency matrix (a boolean from any other comparison) is not one. `seeds`: variables known to hold one (a
-    jitted body's inputs that were one-hot where it was called), and their casts."""
+    transposes and reshapes that keep the last axis, and the outputs of a call that returns one (`jax.nn.one_hot` is
+    a jit), at most `depth` calls deep. A mask or an adjacency matrix (a boolean from any other comparison) is not
+    one. `seeds`: variables known to hold one (a jitted, scanned or looped body's inputs that were one-hot where it
+    was called), and what the ops above make of them."""
     found, makers, hot = set(seeds), {}, set()
     for eqn in jaxpr.eqns:
         for out in eqn.outvars:
@@ -496,6 +499,8 @@ def one_hot_vars(jaxpr, depth: int = 3, seeds: Sequence = ()) -> set:
             hot.add(eqn.outvars[0])
         elif name == "convert_element_type" and ins and (ins[0] in hot or ins[0] in found):
             found.add(eqn.outvars[0])
+        elif name in ("transpose", "reshape", "copy") and ins and ins[0] in found and _keeps_rows(eqn):
+            found.add(eqn.outvars[0])  # `one_hot(tokens).swapaxes(0, 1)` to scan over time
         elif name in _CALL_PRIMITIVES and depth > 1:
             body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             body = getattr(body, "jaxpr", body)
@@ -504,6 +509,15 @@ def one_hot_vars(jaxpr, depth: int = 3, seeds: Sequence = ()) -> set:
                 found.update(o for o, i in zip(eqn.outvars, body.outvars)
                              if not isinstance(i, jex_core.Literal) and i in inner)
     return found
+
+
+def _keeps_rows(eqn) -> bool:
+    """Whether a transpose or reshape leaves each last-axis row of its input whole and last (so a one-hot stays one
+    along its last axis)."""
+    before, after = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    if not before or not after or before[-1] != after[-1]:
+        return False
+    return eqn.primitive.name != "transpose" or eqn.params["permutation"][-1] == len(before) - 1
 
 
 def selects(eqn, one_hot: Sequence[bool]) -> list[bool]:

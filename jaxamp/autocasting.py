@@ -465,9 +465,11 @@ def _rule(eqn, mode: Mode):
     return HIGHER_ORDER_RULES.get(name) or rules.FIRST_ORDER_RULES.get(name) or rules.original_rule
 
 
-def _closed_fn(closed, mode: Mode, names: Sequence | None = None) -> Callable[..., list]:
-    """A ClosedJaxpr as a function of its inputs (their param paths `names`), interpreted under `mode`."""
-    return lambda *xs: interpret(closed.jaxpr, closed.consts, xs, mode, arg_names=names)
+def _closed_fn(closed, mode: Mode, names: Sequence | None = None, hot: Sequence[bool] | None = None
+               ) -> Callable[..., list]:
+    """A ClosedJaxpr as a function of its inputs (their param paths `names`, which of them are one-hot `hot`),
+    interpreted under `mode`."""
+    return lambda *xs: interpret(closed.jaxpr, closed.consts, xs, mode, arg_names=names, arg_hot=hot)
 
 
 # ----------------------------------------------------------------------------------------------- higher-order rules
@@ -516,16 +518,21 @@ def _closed_call_rule(eqn, vals, mode: Mode, bounds=None, names=None, hot=None) 
     return interpret(call, [], vals, mode, bounds, names, arg_hot=hot)
 
 
-def _scan_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
+def _scan_rule(eqn, vals, mode: Mode, bounds=None, names=None, hot=None) -> list:
     """scan: `lax.scan` over an interpreted body; carries keep their original dtype, stacked outputs the body's.
-    Consts and xs keep their param paths in the body (a layer of `nn.scan`'s stacked params is that param)."""
+    Consts and xs keep their param paths in the body (a layer of `nn.scan`'s stacked params is that param), and a
+    one-hot among them stays one (a character RNN's `one_hot(tokens)` scanned over time: a slice along the leading
+    axis is one-hot along its last)."""
     p = eqn.params
     closed, (n_consts, n_carry) = p["jaxpr"], _scan_counts(p)
     consts, init, xs = vals[:n_consts], vals[n_consts:n_consts + n_carry], vals[n_consts + n_carry:]
     targets = [mode.fixed_dtype(a.dtype) for a in closed.in_avals[n_consts:n_consts + n_carry]]
     if names is not None:
         names = [*names[:n_consts], *[None] * n_carry, *names[n_consts + n_carry:]]
-    body_fn = _closed_fn(closed, mode, names)
+    if hot is not None:
+        hot = [*hot[:n_consts], *[False] * n_carry,
+               *[h and v.aval.ndim > 1 for h, v in zip(hot[n_consts + n_carry:], eqn.invars[n_consts + n_carry:])]]
+    body_fn = _closed_fn(closed, mode, names, hot)
 
     def body(carry, x):
         outs = body_fn(*consts, *carry, *x)
@@ -545,15 +552,16 @@ def _scan_counts(params: dict) -> tuple[int, int]:
     return len(list(consts.vals)), len(list(carries.vals))
 
 
-def _while_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
+def _while_rule(eqn, vals, mode: Mode, bounds=None, names=None, hot=None) -> list:
     """while: `lax.while_loop` over interpreted cond and body; carries keep their original dtype (the body's consts
-    keep their param paths)."""
+    keep their param paths, and a one-hot among them stays one)."""
     p = eqn.params
     cond_j, body_j, n_c, n_b = p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts, init = vals[:n_c], vals[n_c:n_c + n_b], vals[n_c + n_b:]
     targets = [mode.fixed_dtype(a.dtype) for a in body_j.in_avals[n_b:]]
     body_names = None if names is None else [*names[n_c:n_c + n_b], *[None] * len(init)]
-    cond_fn, body_fn = _closed_fn(cond_j, mode), _closed_fn(body_j, mode, body_names)
+    body_hot = None if hot is None else [*hot[n_c:n_c + n_b], *[False] * len(init)]
+    cond_fn, body_fn = _closed_fn(cond_j, mode), _closed_fn(body_j, mode, body_names, body_hot)
 
     def body(carry):
         return [strong_cast(c, t) for c, t in zip(body_fn(*body_consts, *carry), targets)]
@@ -562,7 +570,7 @@ def _while_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     return list(lax.while_loop(lambda carry: cond_fn(*cond_consts, *carry)[0], body, init))
 
 
-def _cond_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
+def _cond_rule(eqn, vals, mode: Mode, bounds=None, names=None, hot=None) -> list:
     """cond: `lax.switch` over interpreted branches; each output cast to the widest dtype the branches give it.
 
     Each branch is interpreted once (to a jaxpr, whose output dtypes decide the casts); the switch re-traces those
@@ -570,7 +578,9 @@ def _cond_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     """
     index, *ops = vals
     ops_names = None if names is None else names[1:]
-    branches = [jax.make_jaxpr(_closed_fn(branch, mode, ops_names))(*ops) for branch in eqn.params["branches"]]
+    ops_hot = None if hot is None else hot[1:]
+    branches = [jax.make_jaxpr(_closed_fn(branch, mode, ops_names, ops_hot))(*ops)
+                for branch in eqn.params["branches"]]
     targets = []
     for i, var in enumerate(eqn.outvars):
         dts = [b.out_avals[i].dtype for b in branches]
@@ -610,7 +620,7 @@ def _shard_map_rule(eqn, vals, mode: Mode, bounds=None) -> list:
     return list(fn(*vals))
 
 
-def _custom_jvp_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
+def _custom_jvp_rule(eqn, vals, mode: Mode, bounds=None, names=None, hot=None) -> list:
     """custom_jvp: primal interpreted under `mode`, JVP by the user's rule on the original dtypes.
 
     Autocast: the rule is `jax.jvp` of the original primitive (original params) on primals and tangents cast to the
@@ -618,7 +628,7 @@ def _custom_jvp_rule(eqn, vals, mode: Mode, bounds=None, names=None) -> list:
     to a jaxpr at the original dtypes and interpreted in float32.
     """
     call = eqn.params["call_jaxpr"]
-    primal = _closed_fn(call, mode, names)
+    primal = _closed_fn(call, mode, names, hot)
     in_avals = [v.aval for v in eqn.invars]
 
     def primal_fn(*xs):
@@ -677,5 +687,6 @@ HIGHER_ORDER_RULES: dict[str, Callable[[Any, list, Mode], list]] = {
 # The higher-order rules that carry their operands' param paths (`names=`) into their bodies.
 _NAMED_RULES = frozenset({_jit_rule, _closed_call_rule, _scan_rule, _while_rule, _cond_rule, _remat_rule,
                           _custom_jvp_rule})
-# The higher-order rules that carry which operands are one-hot (`hot=`) into their bodies (inlined calls, remat).
-_HOT_RULES = frozenset({_jit_rule, _closed_call_rule, _remat_rule})
+# The higher-order rules that carry which operands are one-hot (`hot=`) into their bodies.
+_HOT_RULES = frozenset({_jit_rule, _closed_call_rule, _scan_rule, _while_rule, _cond_rule, _remat_rule,
+                        _custom_jvp_rule})

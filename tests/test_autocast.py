@@ -1031,6 +1031,60 @@ def test_a_one_hot_made_outside_a_nested_jit_is_a_selection_inside_it():
     assert report.fallbacks == ()
 
 
+def test_a_one_hot_scanned_over_or_passed_to_a_cond_or_custom_jvp_is_a_selection_there():
+    """A character RNN scans `one_hot(tokens).swapaxes(0, 1)` over time: each step's slice is a one-hot, and its
+    matmul with the input weights a selection (float32 table rows, exact; its backward a float32 sum too), where it
+    was a bfloat16 matmul. So is a one-hot passed to a cond's branches, a while body or a custom_jvp function. The
+    audit sees the selections inside the scan (100% of the counted matmuls in half precision, no fall-backs)."""
+    import optax
+
+    from jaxamp import NoOpLossScale, TrainState, precision_audit
+
+    table = jax.random.normal(jax.random.key(0), (32, 8))
+    tokens = jax.random.randint(jax.random.key(1), (4, 6), 0, 32)  # i32[batch, time]
+
+    def rnn(params, tokens):
+        xs = jnp.swapaxes(jax.nn.one_hot(tokens, 32), 0, 1)  # f32[time, batch, vocab]
+
+        def cell(h, x):
+            h = jnp.tanh(x @ params["wxh"] + h @ params["whh"])
+            return h, x @ params["wxh"]
+
+        return jax.lax.scan(cell, jnp.zeros((4, 8)), xs)
+
+    params = {"wxh": table, "whh": jax.random.normal(jax.random.key(2), (8, 8)) * 0.1}
+    h, picked = autocast(rnn, BF)(params, tokens)
+    assert picked.dtype == jnp.float32 and np.array_equal(picked, table[tokens.T]) and h.dtype == jnp.float32
+    ids = tokens[0]
+    in_cond = autocast(lambda t, i, p: lax.cond(p, lambda oh: oh @ t, lambda oh: 2 * (oh @ t), jax.nn.one_hot(i, 32)),
+                       BF)(table, ids, True)
+    assert in_cond.dtype == jnp.float32 and np.array_equal(in_cond, table[ids])
+
+    def loop(t, i):
+        oh = jax.nn.one_hot(i, 32)  # f32[6, 32], a const of the loop's body
+        return lax.while_loop(lambda c: c[0] < 1, lambda c: (c[0] + 1, oh @ t), (0, jnp.zeros((6, 8))))[1]
+
+    in_while = autocast(loop, BF)(table, ids)
+    assert in_while.dtype == jnp.float32 and np.array_equal(in_while, table[ids])
+    pick = jax.custom_jvp(lambda oh, t: oh @ t)
+    pick.defjvp(lambda primals, tangents: (pick(*primals), tangents[0] @ primals[1] + primals[0] @ tangents[1]))
+    in_jvp = autocast(lambda t, i: pick(jax.nn.one_hot(i, 32), t), BF)(table, ids)
+    assert in_jvp.dtype == jnp.float32 and np.array_equal(in_jvp, table[ids])
+    # a one-hot's rows moved off the last axis are not a selection
+    moved = autocast(lambda t, i: jnp.swapaxes(jax.nn.one_hot(i, 8), 0, 1) @ t[:6], BF)(table, ids)
+    assert moved.dtype == jnp.bfloat16
+
+    def loss_fn(params, batch, rng):
+        return jnp.mean(rnn(params, batch)[0] ** 2)
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16;autocast", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(5))
+    report = precision_audit(state, tokens, loss_fn)
+    assert {(r["weight"], r["selection"], r["lhs"]) for r in report.rows} == {
+        ("wxh", True, "float32"), ("whh", False, "bfloat16")}, report.rows
+    assert report.half_fraction == 1.0 and report.fallbacks == ()
+
+
 def test_a_one_hot_matmul_is_a_selection_in_its_other_operands_dtype():
     """`jax.nn.one_hot(ids) @ table` and optax's `ctc_loss` (its log-probabilities gathered by one-hot einsums) are
     selections written as matmuls: autocast runs them in the other operand's dtype (torch.amp's gather and

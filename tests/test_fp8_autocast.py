@@ -601,3 +601,25 @@ def test_a_product_of_two_activations_stays_out_of_fp8():
     excluded = state.replace(policy=get_policy("fp8-current;fp8_exclude+=^c2$"))  # one of the concatenated params
     rows = [r for r in precision_audit(excluded, (a, b), stacked).rows if r["pass"] == "forward"]
     assert [r["lhs"][:6] for r in rows if r["weight"] == "c1+c2"] == ["bfloat"], rows
+
+
+def test_a_target_networks_stop_gradient_params_are_still_params():
+    """A target network (DQN's, BYOL's) reads the params through `lax.stop_gradient`: its matmuls ran without a
+    weight path, so in bf16 rather than FP8 under fp8-current, and its head wrote bf16 logits that no pattern could
+    name. The path now passes through stop_gradient: the target's layer is FP8, its head is kept out by the default
+    pattern and writes float32."""
+    def loss_fn(params, batch, rng):
+        target = jax.lax.stop_gradient(params["target"])
+        q = jnp.tanh(batch @ params["online"]["w"]) @ params["online"]["head"]
+        return jnp.mean((q - jax.nn.log_softmax(jnp.tanh(batch @ target["w"]) @ target["head"])) ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    params = {net: {"w": jax.random.normal(keys[i], (32, 32)), "head": jax.random.normal(keys[i + 2], (32, 8))}
+              for i, net in enumerate(("online", "target"))}
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="fp8-current", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(3))
+    rows = precision_audit(state, jax.random.normal(keys[4], (16, 32)), loss_fn).rows
+    forward = sorted((r["weight"], r["lhs"], r["out"]) for r in rows if r["pass"] == "forward")
+    assert forward == [("online.head", "bfloat16", "float32"), ("online.w", "float8_e4m3fn", "float32"),
+                       ("target.head", "bfloat16", "float32"), ("target.w", "float8_e4m3fn", "float32")], forward
+    assert {r["weight"] for r in rows if r["pass"] == "backward"} == {"online.head", "online.w"}, rows
