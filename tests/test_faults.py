@@ -442,13 +442,14 @@ def test_fault_campaign_flags_are_checked_first(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_fault_campaign_five_trials(tmp_path):
-    """`--trials 5` on a tiny run, one trial of five kinds; every trial meets every goal (a kind that needs a tmpfs
-    is skipped, with its reason, where mount is not allowed)."""
+def test_fault_campaign_three_trials(tmp_path):
+    """`--trials 3` on a tiny run, one trial of three kinds (a kill, a signal, a full disk; the damaged metrics and
+    summary of the corrupt-* kinds: test_damaged_metrics_and_summary_are_rewritten_from_the_checkpoint); every trial
+    meets every goal (a kind that needs a tmpfs is skipped, with its reason, where mount is not allowed)."""
     out = tmp_path / "faults.md"
-    kinds = "sigkill-commit,sigint,disk-full,corrupt-metrics,corrupt-summary"
+    kinds = "sigkill-commit,sigint,disk-full"
     result = subprocess.run(
-        [sys.executable, "benchmarks/fault_campaign.py", "--trials", "5", "--seed", "3", "--kinds", kinds, "--steps",
+        [sys.executable, "benchmarks/fault_campaign.py", "--trials", "3", "--seed", "3", "--kinds", kinds, "--steps",
          "8", "--checkpoint-every", "2", "--layers", "1", "--width", "32", "--out", str(out), "--tmp-dir",
          str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -457,7 +458,7 @@ def test_fault_campaign_five_trials(tmp_path):
     rows = table_rows(text)
     assert set(kinds.split(",")) <= set(rows)
     ran = [kind for kind in kinds.split(",") if not rows[kind][1].startswith("skipped")]
-    assert len(ran) >= 4, rows
+    assert len(ran) >= 2, rows
     for kind in ran:
         trials, bitwise, lost, duplicated, stopping, max_lines, tracebacks, goals = map(number, rows[kind])
         assert trials == 1 and bitwise == 1 and goals == 1, (kind, rows[kind], text)
