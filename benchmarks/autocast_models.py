@@ -3,6 +3,7 @@ gradients are from float32, and how 40 training steps compare with float32's own
 
     python benchmarks/autocast_models.py                      # all six trials, 40 steps
     python benchmarks/autocast_models.py --trials lm1b --steps 3 --out /tmp/m.md   # a test
+    python benchmarks/autocast_models.py --audit-only          # the audit's table alone (a minute; traced, not run)
 
 The trials are `tests/outside_models` (Flax lm1b and ImageNet ResNet in linen, Flax's NNX Gemma and the NNX MNIST
 tutorial's CNN, ESM2 in Equinox, Hugging Face's Flax GPT-2), built at tiny sizes from the published code
@@ -49,6 +50,7 @@ from benchmarks import harness  # noqa: E402
 from jaxamp.fidelity import fidelity_report  # noqa: E402
 
 DEFAULT_OUT = harness.RESULTS / "autocast_models.md"
+AUDIT_OUT = harness.RESULTS / "autocast_models_audit.md"
 POLICIES = {"bf16;autocast": lambda: jaxamp.NoOpLossScale(), "fp16;autocast": lambda: jaxamp.DynamicLossScale(2.0**15)}
 
 
@@ -205,6 +207,12 @@ def measure(name: str, steps: int, noise_samples: int, seeds: int) -> dict:
     return row
 
 
+def measure_audit(name: str) -> dict:
+    """The audits alone (`--audit-only`): the cast policy's and each autocast policy's, traced, nothing run."""
+    return {"kind": TRIALS[name]().kind, "cast": Runner(name, "bf16", jaxamp.NoOpLossScale()).audit(),
+            "policies": {p: {"audit": Runner(name, p, scale()).audit()} for p, scale in POLICIES.items()}}
+
+
 def loss_gap(losses, reference) -> float:
     """The mean |difference| of two runs' per-step losses."""
     return float(np.mean(np.abs(np.subtract(losses, reference))))
@@ -222,21 +230,31 @@ def noise_cells(gap: float, noise: float) -> list[str]:
     return [f"{ratio:.3f}", "yes" if ratio <= 1.5 else "no"]
 
 
-def report(rows: dict, steps: int, argv) -> str:
-    n_spread = max((len(r["spread"]) for r in rows.values()), default=0)
-    n_seeds = max((len(p["seed_gaps"]) for r in rows.values() for p in r["policies"].values()), default=0)
-    lines = ["# Autocast on six outside model codebases (model code unchanged)", "",
-             f"- command: `{harness.command_line(__file__, argv)}`", f"- machine: {harness.machine()}",
-             f"- date: {harness.now()}", f"- {steps} training steps per run; Adam 1e-3; the trials' own batches", "",
-             "## What runs in half precision (the precision audit, forward and backward)", ""]
+def header(argv) -> list[str]:
+    return ["# Autocast on six outside model codebases (model code unchanged)", "",
+            f"- command: `{harness.command_line(__file__, argv)}`", f"- machine: {harness.machine()}",
+            f"- date: {harness.now()}"]
+
+
+def audit_lines(rows: dict) -> list[str]:
+    """The audit's table: each trial's half-precision share under the cast policy, its first float32 fall-back
+    (where and why), and the share under each autocast policy."""
+    lines = ["## What runs in half precision (the precision audit, forward and backward)", ""]
     table = []
     for name, r in rows.items():
         first = r["cast"].fallbacks[0] if r["cast"].fallbacks else None
         table.append([name, r["kind"], f"{100 * r['cast'].half_fraction:.1f}%",
                       f"{first['source']}: {first['cause']}" if first else "-",
                       *(f"{100 * p['audit'].half_fraction:.1f}%" for p in r["policies"].values())])
-    lines += harness.table(["model", "kind", "cast policy bf16", "its first float32 fall-back",
-                            *(f"{p}" for p in POLICIES)], table, "llrlrr")
+    return lines + harness.table(["model", "kind", "cast policy bf16", "its first float32 fall-back",
+                                  *(f"{p}" for p in POLICIES)], table, "llrlrr")
+
+
+def report(rows: dict, steps: int, argv) -> str:
+    n_spread = max((len(r["spread"]) for r in rows.values()), default=0)
+    n_seeds = max((len(p["seed_gaps"]) for r in rows.values() for p in r["policies"].values()), default=0)
+    lines = [*header(argv), f"- {steps} training steps per run; Adam 1e-3; the trials' own batches", "",
+             *audit_lines(rows)]
     lines += ["", "## Gradients against float32", ""]
     table = [[name, policy, f"{p['grads']['within']}/{p['grads']['counted']}", str(p["grads"]["near_zero"]),
               worst_cell(p["grads"]), seed_counts(p["grads"])]
@@ -339,14 +357,22 @@ def main(argv=None) -> int:
     parser.add_argument("--policies", nargs="*", default=None,
                         help="the mixed policies to run instead of bf16;autocast and fp16;autocast (a float16 one with "
                              "a dynamic loss scale from 2^15), e.g. 'bf16;autocast;float32_results=.'")
-    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--audit-only", action="store_true",
+                        help=f"only the audit's table (traced, nothing run), to {AUDIT_OUT.name} by default")
+    parser.add_argument("--out", default=None, help=f"markdown file (default: {DEFAULT_OUT.name})")
     args = parser.parse_args(argv)
+    args.out = args.out or str(AUDIT_OUT if args.audit_only else DEFAULT_OUT)
     harness.check_output(parser, "--out", args.out)
     if args.policies:
         POLICIES.clear()
         POLICIES.update({p: _loss_scale_for(p) for p in args.policies})
+    argv = argv if argv is not None else sys.argv[1:]
+    if args.audit_only:
+        rows = each_trial(args.trials, measure_audit)
+        harness.write_report(args.out, "\n".join([*header(argv), "", *audit_lines(rows)]) + "\n")
+        return 0
     rows = each_trial(args.trials, lambda name: measure(name, args.steps, args.noise_samples, args.seeds))
-    harness.write_report(args.out, report(rows, args.steps, argv if argv is not None else sys.argv[1:]))
+    harness.write_report(args.out, report(rows, args.steps, argv))
     return 0
 
 

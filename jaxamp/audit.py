@@ -221,19 +221,16 @@ def _sub_jaxprs(eqn):
 
 
 def _inputs(eqn, sub) -> list:
-    """`(operand, inner input)` pairs of `eqn` and its sub-program `sub` where the inner input holds the operand's
-    values (a call's, a cond branch's operands; a scan's consts, and its xs a slice at a time; a while body's
-    consts), not a loop's carry."""
+    """`(operand, inner input)` pairs of `eqn` and its sub-program `sub` where the inner input stands for the
+    operand: a call's and a cond branch's operands; a scan's consts, carries (their initial values) and xs (a slice
+    at a time); a while loop's consts and carries."""
     name, outer, inner = eqn.primitive.name, list(eqn.invars), list(sub.invars)
-    if name in _CALLS or name == "cond":
+    if name in _CALLS or name == "cond" or (name == "scan" and len(outer) == len(inner)):
         return list(zip(outer[len(outer) - len(inner):], inner))
-    if name == "scan" and "num_consts" in eqn.params:
-        n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-        keep = [i for i in range(len(inner)) if not n_consts <= i < n_consts + n_carry]
-        return [(outer[i], inner[i]) for i in keep] if len(outer) == len(inner) else []
-    if name == "while" and sub is getattr(eqn.params["body_jaxpr"], "jaxpr", None):
+    if name == "while":
         n_c, n_b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-        return list(zip(outer[n_c:n_c + n_b], inner[:n_b]))
+        body = sub is getattr(eqn.params["body_jaxpr"], "jaxpr", None)
+        return list(zip(outer[n_c:] if body else outer[:n_c] + outer[n_c + n_b:], inner))
     return []
 
 

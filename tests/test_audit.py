@@ -771,6 +771,38 @@ def test_a_bfloat16_batch_the_model_converts_to_float32_is_the_cause_not_a_param
                      "half-precision inputs (convert_element_type)"), cause
 
 
+def test_a_scanned_layers_cause_follows_the_carry_out_of_the_scan():
+    """ESM2's pattern: layers scanned over their stacked params (xs), each a LayerNorm that promotes its own
+    half-precision scale and a matmul; the activation is the scan's carry, made float32 before the scan. The cause
+    is that line before the scan, not the LayerNorm's promotion of its scale inside it (the scale is a slice of a
+    cast param: the audit follows xs out of the scan), nor "a float32 input of the step" (the carry's first value
+    is followed out too)."""
+    params = {"emb": jax.random.normal(jax.random.key(0), (16, 32)),
+              "layers": {"scale": jnp.ones((2, 32)), "w": jax.random.normal(jax.random.key(1), (2, 32, 32)) / 6},
+              "head": jax.random.normal(jax.random.key(2), (32, 16)) / 6}
+    ids = jnp.arange(8) % 16
+
+    def loss(p, b, rng):
+        with jax.numpy_dtype_promotion("standard"):  # the model's own code mixes dtypes, as ESM2's
+            x = p["emb"][b] * jnp.float32(0.5)  # CAUSE_LINE
+
+            def layer(x, lp):
+                h = x - x.mean(-1, keepdims=True)
+                h = h * lp["scale"].astype(jnp.float32)  # a norm computing in float32 with its own scale
+                return x + jnp.tanh(h @ lp["w"]), None
+
+            x, _ = jax.lax.scan(layer, x, p["layers"])
+            return optax.softmax_cross_entropy_with_integer_labels(x @ p["head"], b).mean()
+
+    line = next(i for i, text in enumerate(inspect.getsource(loss).splitlines()) if "# CAUSE_LINE" in text)
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(1))
+    report = precision_audit(state, ids, loss)
+    cause = report.fallbacks[0]["cause"]
+    assert cause == (f"test_audit.py:{inspect.getsourcelines(loss)[1] + line} returned float32 from "
+                     "half-precision inputs (convert_element_type)"), cause
+
+
 def test_a_head_whose_weights_come_in_the_batch_is_found_and_frozen_params_name_it():
     """A GAN's generator step that takes the discriminator's weights in its batch: the discriminator's head writes
     bf16 logits into a log-sigmoid. The audit said no half-precision result reached one ("right for a regression")

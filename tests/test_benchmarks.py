@@ -807,6 +807,25 @@ def test_autocast_variants_tiny(tmp_path):
     assert len({r[4] for r in rows[:3]}) == 3 and max(worst.values()) < 1.0, rows  # 1%: every leaf near float32
 
 
+def test_autocast_models_audit_only_writes_the_audits_table_alone(monkeypatch, tmp_path):
+    """`--audit-only` traces the audits (cast policy and each autocast policy) and writes their table alone: no
+    training run, no gradient or steps tables."""
+    import types
+
+    import benchmarks.autocast_models as am
+
+    audit = lambda share, fallbacks=(): types.SimpleNamespace(half_fraction=share, fallbacks=fallbacks)  # noqa: E731
+    row = {"kind": "hf", "cast": audit(0.0, [{"source": "gpt2.py:65", "cause": "its wpe promoted"}]),
+           "policies": {p: {"audit": audit(1.0)} for p in am.POLICIES}}
+    monkeypatch.setattr(am, "measure_audit", lambda name: row)
+    monkeypatch.setattr(am, "measure", lambda *a: pytest.fail("--audit-only ran the steps"))
+    out = tmp_path / "audit.md"
+    assert am.main(["--trials", "gpt2_hf", "--audit-only", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| gpt2_hf | hf | 0.0% | gpt2.py:65: its wpe promoted | 100.0% | 100.0% |" in text, text
+    assert "## Gradients" not in text and "steps against" not in text
+
+
 def test_autocast_models_runs_the_policies_it_is_given(monkeypatch, tmp_path):
     """`--policies` replaces bf16;autocast and fp16;autocast (a float16 policy with a dynamic scale from 2^15)."""
     import benchmarks.autocast_models as am
