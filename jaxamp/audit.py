@@ -29,6 +29,7 @@ import importlib.util
 import math
 import os
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -90,6 +91,22 @@ def _library_dirs() -> tuple[str, ...]:
 _LIBRARIES = _library_dirs()
 _JAXAMP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
 _JAXAMP_APP = os.path.join(_JAXAMP, "lm", "")
+
+
+_JAX_DIRS = tuple(os.path.join(d, "") for name in ("jax", "jaxlib") if (spec := importlib.util.find_spec(name))
+                  for d in spec.submodule_search_locations or ())
+
+
+def _users_frame():
+    """The innermost frame outside JAX, jaxamp's library and the model libraries (the user's line that called the
+    jitted step, or the step itself), or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith("<") or name.startswith(_JAX_DIRS) or _is_library(name)):
+            return frame
+        frame = frame.f_back
+    return None
 
 
 def _is_library(filename: str) -> bool:
@@ -252,6 +269,7 @@ class _Walk:
     # the equations (nested jits, scans, loops, conds, ...) whose sub-programs are being visited, outermost first
     calls: tuple = ()
     held_by: dict = dataclasses.field(default_factory=dict)  # id(equation) -> the `calls` it was visited in
+    passes: dict = dataclasses.field(default_factory=dict)  # id(equation) -> "forward" or "backward"
 
     def visit(self, jaxpr, trips: int, compute_half: bool) -> None:
         for eqn in jaxpr.eqns:
@@ -261,9 +279,10 @@ class _Walk:
                 if _is_var(v):
                     self.consumers.setdefault(id(v), []).append(eqn)
             self.held_by[id(eqn)] = self.calls
+            self.passes[id(eqn)] = _pass(eqn, self.backward)
             name = eqn.primitive.name
-            if name in _MATMULS:
-                self._matmul(eqn, trips, compute_half)
+            if name in _MATMULS and all(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.invars[:2]):
+                self._matmul(eqn, trips, compute_half)  # (an integer matmul, BigBird's mask einsums, is no GEMM here)
             elif (name in _SUMS or name in _SCATTER_ADDS) and _dtype(eqn.outvars[0]) in ABSORB_LIMIT:
                 self._sum(eqn)
             for sub, inner_trips in _sub_jaxprs(eqn):
@@ -537,6 +556,27 @@ class _Walk:
             frontier.extend(v for v in floats if _dtype(v) == "float32")
         return promotion or "no half-precision value reached it (the model computes in float32 there)"
 
+    def feeds_matmul(self, var, limit: int = 4096) -> bool:
+        """Whether `var` (a forward value) reaches another forward matmul or convolution, through the forward ops
+        after it (and call, loop and cond boundaries); not, it reaches the loss as an output layer's result does (a
+        regression or value head's: no softmax to find it by). True where the walk passes `limit` variables."""
+        seen, frontier = set(), [var]
+        while frontier:
+            v = frontier.pop()
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            if len(seen) > limit:
+                return True
+            frontier += [w for key in ("enter", "exit") for w in self.consumers.get((key, id(v)), [])]
+            for eqn in self.consumers.get(id(v), []):
+                if self.passes.get(id(eqn)) != "forward":
+                    continue
+                if eqn.primitive.name in _MATMULS:
+                    return True
+                frontier += [o for o in eqn.outvars if _is_var(o)]
+        return False
+
     def from_input(self, var, depth: int = 8) -> bool:
         """Whether `var` is a float32 input of the step (a master weight, cast to the compute dtype by the policy or
         by autocast) through casts, shape ops and call boundaries: a weight, not an activation. A half-precision
@@ -675,21 +715,26 @@ class PrecisionReport:
     @property
     def fp8_fraction(self) -> float:
         """Share of the matmul FLOPs whose operands are both FP8 (`jaxamp.fp8_recipes` matmuls, Flax's FP8 ops on
-        FP8 operands and on dequantized ones, `convert(f8) * scale`); 0.0 when the step has no matmul."""
-        total = sum(r["flops"] for r in self.rows)
-        fp8 = sum(r["flops"] for r in self.rows if r["lhs"].startswith("float8") and r["rhs"].startswith("float8"))
+        FP8 operands and on dequantized ones, `convert(f8) * scale`), of the FLOPs `half_fraction` counts (one-hot
+        selections aside); 0.0 when the step has no matmul."""
+        rows = [r for r in self.rows if not r.get("selection")]
+        total = sum(r["flops"] for r in rows)
+        fp8 = sum(r["flops"] for r in rows if r["lhs"].startswith("float8") and r["rhs"].startswith("float8"))
         return fp8 / total if total else 0.0
 
     def summary(self) -> str:
         """One line: the half share (and the FP8 share where there is one), the fallbacks and half-precision sums,
         and the largest source of each."""
-        total = sum(r["flops"] for r in self.rows)
+        total = sum(r["flops"] for r in self.rows if not r.get("selection"))
+        selected = sum(r["flops"] for r in self.rows if r.get("selection"))
         text = (f"precision audit ({self.policy}): {100 * self.half_fraction:.1f}% of {_flops_text(total)} of "
                 f"matmuls in half precision")
         if self.fp8_fraction or self.fp8:
             text += f" ({100 * self.fp8_fraction:.1f}% in FP8)"
         if self.fp8 and not self.fp8_fraction:
             text += f"; {_NO_FP8}"
+        if selected:
+            text += f"; {_flops_text(selected)} of one-hot selections besides, in their table's dtype"
         excluded = [r for r in self.rows if r.get("fp8_excluded_by") and r["pass"] == "forward"]
         if excluded:
             names = list(dict.fromkeys(r["fp8_excluded_name"] for r in excluded))
@@ -752,11 +797,24 @@ class PrecisionReport:
         pattern = f"^{re.escape(head['weight'])}$"  # the whole param path: a module name alone recurs (`out`)
         head_at = f"the output head {head['weight']} at {head['source']}"
         if head["lhs"].startswith("float8"):
-            spec = _add_pattern(self.policy, "fp8_exclude", pattern)
-            if self.float32_results and not head.get("float32_results_names"):  # (a default may name it already)
-                spec = _add_pattern(spec, "float32_results", pattern)
-            return (f"{head_at} runs in FP8 into a {into} (a head, or a router, no pattern names): policy '{spec}' "
-                    "keeps it out")
+            # the same line's other heads too (a target network's copy of the head, read through stop_gradient)
+            alike = [r for r in heads if r["source"] == head["source"] and r.get("into") == into and r["weight"]
+                     and r["lhs"].startswith("float8")]
+            spec = self.policy
+            for r in sorted(alike, key=lambda r: r is not head):
+                spec = _add_pattern(spec, "fp8_exclude", f"^{re.escape(r['weight'])}$")
+            for r in sorted(alike, key=lambda r: r is not head):
+                if self.float32_results and not r.get("float32_results_names"):  # (a default may name it already)
+                    spec = _add_pattern(spec, "float32_results", f"^{re.escape(r['weight'])}$")
+            if len(alike) > 1:
+                head_at = f"the output heads {', '.join(dict.fromkeys(r['weight'] for r in alike))} at {head['source']}"
+            runs, feeds, it = ("run", "feed", "them") if len(alike) > 1 else ("runs", "feeds", "it")
+            if into == OUTPUT_LAYER:
+                return (f"{head_at} {runs} in FP8 and {feeds} the loss through no other matmul (an output layer no "
+                        "pattern names, such as a regression or value head; Transformer Engine's recipes keep the "
+                        f"output layer out of FP8): policy '{spec}' keeps {it} out")
+            return (f"{head_at} {runs} in FP8 into a {into} (a head, or a router, no pattern names): policy '{spec}' "
+                    f"keeps {it} out")
         return (f"{head_at} writes {head['out']} logits into a {into} (a head, or a router, no pattern names): policy "
                 f"'{_add_pattern(self.policy, 'float32_results', pattern)}' keeps them float32")
 
@@ -888,6 +946,14 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
                    and (r["weight"] or (any(walk.from_input(v) for v in eqn.invars[:2])
                                         and not walk.attends(eqn.outvars[0])))
                    and (into := walk.feeds_softmax(eqn.outvars[0], _class_sizes(eqn)))]
+    # an FP8 weight matmul whose result reaches the loss through no other matmul: an output layer (a regression or
+    # value head: no softmax finds it), which Transformer Engine's recipes keep out of FP8 as they keep a head
+    found = {(r["source"], r["weight"]) for r in half_logits}
+    half_logits += [{**r, "into": OUTPUT_LAYER, "float32_results_names": any(
+                         rx.search(n) for rx in results for n in exclusion_names(eqn, scopes))}
+                    for r, eqn, scopes in zip(walk.rows, walk.eqns, walk.names)
+                    if autocast and r["pass"] == "forward" and r["weight"] and r["lhs"].startswith("float8")
+                    and (r["source"], r["weight"]) not in found and not walk.feeds_matmul(eqn.outvars[0])]
     if fallbacks:
         row, eqn = walk.first_fallback
         fallbacks[0]["cause"] = walk.cause(eqn)
@@ -899,6 +965,9 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
                            autocast=autocast,
                            float32_results=tuple(float32_results) if float32_results is not None else (),
                            fp8=fp8, half_logits=tuple(half_logits))
+
+
+OUTPUT_LAYER = "the loss through no other matmul"
 
 
 def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
@@ -981,10 +1050,16 @@ def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: 
     elif degraded:
         advice = ("; get_policy(..., autocast=True) computes the matmuls of unchanged float32 code in half precision "
                   "with float32 sums")
-    warnings.warn(f"{where} under policy {report.policy!r}: " + "; ".join(problems)
-                  + f". {'jaxamp.nnx' if where.startswith('jaxamp.nnx') else 'jaxamp'}.precision_audit(...) lists "
-                    f"every op{advice}",
-                  PrecisionWarning, stacklevel=3)
+    text = (f"{where} under policy {report.policy!r}: " + "; ".join(problems)
+            + f". {'jaxamp.nnx' if where.startswith('jaxamp.nnx') else 'jaxamp'}.precision_audit(...) lists every op"
+            + advice)
+    frame = _users_frame()
+    if frame is None:
+        warnings.warn(text, PrecisionWarning, stacklevel=3)
+    else:  # at the user's line, and each time (once per compilation: no once-per-line registry)
+        warnings.warn_explicit(text, PrecisionWarning, frame.f_code.co_filename, frame.f_lineno,
+                               module=frame.f_globals.get("__name__"), registry={},
+                               module_globals=frame.f_globals)
     return True
 
 

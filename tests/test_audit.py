@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 import warnings
 
@@ -123,6 +124,26 @@ def test_half_precision_bias_sums_past_the_format_limit_are_listed_and_warned_on
     found = [w for w in caught if issubclass(w.category, PrecisionWarning)]
     assert len(found) == 2, [str(w.message) for w in found]
     assert "512 values in bfloat16" in str(found[0].message) and "384 values" in str(found[1].message)
+
+
+def test_the_warning_is_at_the_users_line_and_not_hidden_by_the_default_filter():
+    """The warning's location is the user's line that ran the jitted step (it was jaxamp/step.py's), and each
+    compilation warns under Python's default filter too (its once-per-location registry hid the second)."""
+    state, batch, loss_fn = linen_setup("bf16", rows=512)
+    step = jax.jit(train_step, static_argnames="loss_fn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        state, _ = step(state, batch, loss_fn)  # STEP_LINE
+        step(state, (batch[0][:384], batch[1][:384]), loss_fn)  # a second compilation
+        step(state, (batch[0][:384], batch[1][:384]), loss_fn)  # none
+    found = [w for w in caught if issubclass(w.category, PrecisionWarning)]
+    assert len(found) == 2, [str(w.message) for w in found]
+    line = next(i for i, text in enumerate(inspect.getsourcelines(
+        test_the_warning_is_at_the_users_line_and_not_hidden_by_the_default_filter)[0]) if "# STEP_LINE" in text)
+    start = inspect.getsourcelines(test_the_warning_is_at_the_users_line_and_not_hidden_by_the_default_filter)[1]
+    assert [(os.path.basename(w.filename), w.lineno) for w in found] == [
+        ("test_audit.py", start + line), ("test_audit.py", start + line + 1)], found
 
 
 def test_the_warning_under_autocast_points_at_the_codes_own_float32_not_at_autocast():
@@ -801,6 +822,36 @@ def test_a_scanned_layers_cause_follows_the_carry_out_of_the_scan():
     cause = report.fallbacks[0]["cause"]
     assert cause == (f"test_audit.py:{inspect.getsourcelines(loss)[1] + line} returned float32 from "
                      "half-precision inputs (convert_element_type)"), cause
+
+
+def test_integer_matmuls_are_no_rows_and_selections_are_outside_every_share():
+    """An integer einsum (BigBird's block masks from its int32 attention mask) is no GEMM of the step: it was a
+    float32 fall-back (99.0% half precision, "no half-precision value reached it"). One-hot selections are left out
+    of the FP8 share and of the summary's FLOPs as they are of `half_fraction` (a character RNN read "100.0% of 8.4
+    MFLOP ... (75.0% in FP8)" with 2.1 of the 8.4 MFLOP float32 selections and every other matmul FP8)."""
+    params = {"w": jax.random.normal(jax.random.key(0), (32, 32)) * 0.1,
+              "table": jax.random.normal(jax.random.key(1), (64, 32))}
+
+    def loss_fn(params, batch, rng):
+        band = jnp.einsum("bq,bk->bqk", batch["mask"], batch["mask"])  # i32 x i32 -> i32
+        h = (jax.nn.one_hot(batch["ids"], 64) @ params["table"]) @ params["w"]  # f32[B, T, 32]
+        s = jnp.where(band > 0, jnp.einsum("bqd,bkd->bqk", h, h), -1e4)
+        return jnp.mean(jax.nn.softmax(s, axis=-1) ** 2)
+
+    batch = {"ids": jnp.arange(64).reshape(4, 16) % 64, "mask": jnp.ones((4, 16), jnp.int32)}
+    for policy, fp8 in (("bf16;autocast", 0.0), ("fp8-current", None)):
+        state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(),
+                                  rng=jax.random.key(2))
+        report = precision_audit(state, batch, loss_fn)
+        assert all(r["lhs"] != "int32" for r in report.rows) and report.fallbacks == (), report.rows
+        assert report.half_fraction == 1.0
+        counted = [r for r in report.rows if not r["selection"]]
+        selected = sum(r["flops"] for r in report.rows if r["selection"])
+        assert selected > 0 and f"{selected / 1e6:,.1f} MFLOP of one-hot selections besides" in report.summary()
+        assert f"of {sum(r['flops'] for r in counted) / 1e6:,.1f} MFLOP of matmuls" in report.summary()
+        in_fp8 = sum(r["flops"] for r in counted if r["lhs"].startswith("float8") and r["rhs"].startswith("float8"))
+        assert report.fp8_fraction == (fp8 if fp8 is not None else in_fp8 / sum(r["flops"] for r in counted))
+        assert fp8 is not None or 0 < report.fp8_fraction < 1  # the weight matmul, not attention's product
 
 
 def test_a_head_whose_weights_come_in_the_batch_is_found_and_frozen_params_name_it():
