@@ -103,7 +103,8 @@ def _users_frame():
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not (name.startswith("<") or name.startswith(_JAX_DIRS) or _is_library(name)):
+        if not (name.startswith("<frozen") or name.startswith(_JAX_DIRS) or _is_library(name)):  # (`<stdin>`,
+            # IPython's `<ipython-input-...>` cells are the user's)
             return frame
         frame = frame.f_back
     return None
@@ -197,7 +198,9 @@ def _callers(eqn) -> str:
 def _pass(eqn, inside_backward: bool = False) -> str:
     """`"backward"` for an equation autodiff's transpose made, or one inside the body of such a scan/while/call
     (their equations' own name stacks start afresh), else `"forward"`."""
-    return "backward" if inside_backward or "transpose" in str(eqn.source_info.name_stack) else "forward"
+    stack = getattr(eqn.source_info.name_stack, "stack", ())  # (a module named `conv_transpose` is no transpose)
+    transposed = any(isinstance(e, source_info_util.Transform) and e.name == "transpose" for e in stack)
+    return "backward" if inside_backward or transposed else "forward"
 
 
 def _matmul_flops(eqn) -> int:
@@ -238,16 +241,21 @@ def _sub_jaxprs(eqn):
 
 
 def _inputs(eqn, sub) -> list:
-    """`(operand, inner input)` pairs of `eqn` and its sub-program `sub` where the inner input stands for the
-    operand: a call's and a cond branch's operands; a scan's consts, carries (their initial values) and xs (a slice
-    at a time); a while loop's consts and carries."""
+    """`(operand, inner input, carried)` of `eqn` and its sub-program `sub` where the inner input stands for the
+    operand: a call's and a cond branch's operands; a scan's consts and xs (a slice at a time); a while loop's
+    consts; and, `carried`, a loop's carries, which hold the operand only on the first trip (an HMM's one-hot start
+    becomes a distribution): the cause walk follows them, the one-hot and step-input tests do not."""
     name, outer, inner = eqn.primitive.name, list(eqn.invars), list(sub.invars)
-    if name in _CALLS or name == "cond" or (name == "scan" and len(outer) == len(inner)):
-        return list(zip(outer[len(outer) - len(inner):], inner))
+    if name in _CALLS or name == "cond":
+        return [(o, i, False) for o, i in zip(outer[len(outer) - len(inner):], inner)]
+    if name == "scan" and len(outer) == len(inner) and "num_consts" in eqn.params:
+        n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        return [(o, i, n_consts <= k < n_consts + n_carry) for k, (o, i) in enumerate(zip(outer, inner))]
     if name == "while":
         n_c, n_b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-        body = sub is getattr(eqn.params["body_jaxpr"], "jaxpr", None)
-        return list(zip(outer[n_c:] if body else outer[:n_c] + outer[n_c + n_b:], inner))
+        if sub is getattr(eqn.params["body_jaxpr"], "jaxpr", None):
+            return [(o, i, k >= n_b) for k, (o, i) in enumerate(zip(outer[n_c:], inner))]
+        return [(o, i, k >= n_c) for k, (o, i) in enumerate(zip(outer[:n_c] + outer[n_c + n_b:], inner))]
     return []
 
 
@@ -281,7 +289,7 @@ class _Walk:
             self.held_by[id(eqn)] = self.calls
             self.passes[id(eqn)] = _pass(eqn, self.backward)
             name = eqn.primitive.name
-            if name in _MATMULS and all(jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.invars[:2]):
+            if name in _MATMULS and all(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.invars[:2]):
                 self._matmul(eqn, trips, compute_half)  # (an integer matmul, BigBird's mask einsums, is no GEMM here)
             elif (name in _SUMS or name in _SCATTER_ADDS) and _dtype(eqn.outvars[0]) in ABSORB_LIMIT:
                 self._sum(eqn)
@@ -290,8 +298,8 @@ class _Walk:
                     for outer, inner in zip(eqn.outvars, sub.outvars):
                         if hasattr(inner, "aval") and not hasattr(inner, "val"):
                             self.producer.setdefault(("alias", id(outer)), inner)
-                for outer, inner in _inputs(eqn, sub):
-                    self.producer.setdefault(("input", id(inner)), outer)
+                for outer, inner, carried in _inputs(eqn, sub):
+                    self.producer.setdefault(("carry" if carried else "input", id(inner)), outer)
                 self._link(eqn, sub)
                 outer = self.backward, self.prefix, self.calls
                 self.backward = _pass(eqn, self.backward) == "backward"
@@ -539,6 +547,8 @@ class _Walk:
                 continue
             seen.add(id(var))
             step = self._through_calls(var)
+            if step is None and id(var) not in self.producer:
+                step = self.producer.get(("carry", id(var)))  # a loop's carry: its first value
             if step is not None:
                 frontier.append(step)
                 continue
@@ -800,10 +810,12 @@ class PrecisionReport:
             # the same line's other heads too (a target network's copy of the head, read through stop_gradient)
             alike = [r for r in heads if r["source"] == head["source"] and r.get("into") == into and r["weight"]
                      and r["lhs"].startswith("float8")]
+            alike = list({r["weight"]: r for r in sorted(alike, key=lambda r: r is head)}.values())  # once each
+            alike.sort(key=lambda r: r is not head)  # the largest first
             spec = self.policy
-            for r in sorted(alike, key=lambda r: r is not head):
+            for r in alike:
                 spec = _add_pattern(spec, "fp8_exclude", f"^{re.escape(r['weight'])}$")
-            for r in sorted(alike, key=lambda r: r is not head):
+            for r in alike:
                 if self.float32_results and not r.get("float32_results_names"):  # (a default may name it already)
                     spec = _add_pattern(spec, "float32_results", f"^{re.escape(r['weight'])}$")
             if len(alike) > 1:
@@ -1058,7 +1070,7 @@ def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: 
         warnings.warn(text, PrecisionWarning, stacklevel=3)
     else:  # at the user's line, and each time (once per compilation: no once-per-line registry)
         warnings.warn_explicit(text, PrecisionWarning, frame.f_code.co_filename, frame.f_lineno,
-                               module=frame.f_globals.get("__name__"), registry={},
+                               module=frame.f_globals.get("__name__") or frame.f_code.co_filename, registry={},
                                module_globals=frame.f_globals)
     return True
 

@@ -517,6 +517,8 @@ def _keeps_rows(eqn) -> bool:
     before, after = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
     if not before or not after or before[-1] != after[-1]:
         return False
+    if eqn.primitive.name == "reshape":
+        return eqn.params.get("dimensions") is None  # (`lax.reshape(x, shape, dimensions=...)` transposes first)
     return eqn.primitive.name != "transpose" or eqn.params["permutation"][-1] == len(before) - 1
 
 

@@ -146,6 +146,19 @@ def test_the_warning_is_at_the_users_line_and_not_hidden_by_the_default_filter()
         ("test_audit.py", start + line), ("test_audit.py", start + line + 1)], found
 
 
+def test_the_warning_is_at_an_ipython_cells_line():
+    """A notebook cell's code is compiled as `<ipython-input-N-...>`: the warning is at the cell's line, not at
+    IPython's `exec` (every `<...>` name was skipped) nor at jaxamp's."""
+    state, batch, loss_fn = linen_setup("bf16", rows=512)
+    cell = compile("\n\nstep(state, batch, loss_fn)\n", "<ipython-input-3-0f1e2d>", "exec")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(cell, {"step": jax.jit(train_step, static_argnames="loss_fn"), "state": state, "batch": batch,
+                    "loss_fn": loss_fn})
+    found = [(w.filename, w.lineno) for w in caught if issubclass(w.category, PrecisionWarning)]
+    assert found == [("<ipython-input-3-0f1e2d>", 3)], found
+
+
 def test_the_warning_under_autocast_points_at_the_codes_own_float32_not_at_autocast():
     state, batch, loss_fn = linen_setup("bf16;autocast")
 
@@ -852,6 +865,91 @@ def test_integer_matmuls_are_no_rows_and_selections_are_outside_every_share():
         in_fp8 = sum(r["flops"] for r in counted if r["lhs"].startswith("float8") and r["rhs"].startswith("float8"))
         assert report.fp8_fraction == (fp8 if fp8 is not None else in_fp8 / sum(r["flops"] for r in counted))
         assert fp8 is not None or 0 < report.fp8_fraction < 1  # the weight matmul, not attention's product
+
+
+def test_a_loop_carry_that_starts_one_hot_is_no_selection_and_complex_matmuls_stay_rows():
+    """A review's cases: an HMM's forward pass carries `one_hot(start)` into a scan where it becomes a distribution:
+    `alpha @ T` is an ordinary matmul, a float32 fall-back under the cast policy (following the carry to its first
+    value had made it a selection: 2 fall-backs where there are 3). A complex matmul (an FNO's spectral mixing) is
+    still a row, as before integer matmuls were dropped."""
+    V = 16
+    params = {"T": jax.random.normal(jax.random.key(0), (V, V)), "E": jax.random.normal(jax.random.key(1), (V, V))}
+
+    def hmm(p, obs, rng):
+        T = jax.nn.softmax(p["T"], -1)
+        alpha0 = jax.nn.one_hot(jnp.zeros(8, jnp.int32), V)  # f32[batch, states], the start state
+
+        def step(alpha, o):
+            with jax.numpy_dtype_promotion("standard"):  # float32 alpha x the cast policy's bfloat16 T
+                alpha = (alpha @ T) * jax.nn.softmax(p["E"], -1)[:, o].T
+            return alpha / alpha.sum(-1, keepdims=True), None
+
+        alpha, _ = jax.lax.scan(step, alpha0, obs)
+        return -jnp.log(alpha.sum(-1) + 1e-6).mean()
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(2))
+    report = precision_audit(state, jnp.arange(32).reshape(4, 8) % V, hmm)
+    assert not any(r["selection"] for r in report.rows) and len(report.fallbacks) == 3, report.rows
+
+    def spectral(p, x, rng):
+        hf = jnp.fft.rfft(x @ p["lift"], axis=1)  # c64[batch, modes, channels]
+        w = (p["wr"] + 1j * p["wi"]).astype(jnp.complex64)
+        return jnp.mean(jnp.fft.irfft(jnp.einsum("bmi,iom->bmo", hf, w), n=16, axis=1) ** 2)
+
+    params = {"wr": jnp.ones((4, 4, 9)) / 8, "wi": jnp.ones((4, 4, 9)) / 8, "lift": jnp.ones((4, 4)) / 3}
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16;autocast", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(2))
+    with jax.numpy_dtype_promotion("standard"):
+        report = precision_audit(state, jnp.ones((2, 16, 4)), spectral)
+    assert {r["lhs"] for r in report.rows} == {"bfloat16", "complex64"} and 0 < report.half_fraction < 1
+
+
+def test_a_module_named_like_a_transpose_is_forward_and_a_hidden_layer_is_no_output_layer():
+    """`_pass` read "transpose" anywhere in a name stack as autodiff's transpose: a decoder's `conv_transpose`
+    module ran "backward", so the FP8 Dense before it seemed to feed the loss through no other matmul and was named
+    an output layer. A Double DQN applies the online net twice: its patterns are suggested once each."""
+
+    class Decoder(nn.Module):
+        def setup(self):
+            self.fc = nn.Dense(4 * 4 * 8)
+            self.conv_transpose = nn.ConvTranspose(8, (3, 3), strides=(2, 2))
+            self.out = nn.Conv(1, (3, 3))
+
+        def __call__(self, z):
+            h = nn.relu(self.fc(z)).reshape(z.shape[0], 4, 4, 8)  # f32[batch, 4, 4, 8]
+            return self.out(nn.relu(self.conv_transpose(h)))
+
+    model, z = Decoder(), jax.random.normal(jax.random.key(0), (4, 16))
+    state = TrainState.create(params=model.init(jax.random.key(1), z)["params"], tx=optax.sgd(0.1),
+                              policy="fp8-current", loss_scale=NoOpLossScale(), rng=jax.random.key(2))
+    report = precision_audit(state, z, lambda p, b, r: jnp.mean(model.apply({"params": p}, b) ** 2))
+    assert {r["pass"] for r in report.rows if r["weight"] == "conv_transpose.kernel"} == {"forward", "backward"}
+    assert report.logits_note() == "", report.logits_note()
+
+    class QNet(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.relu(nn.Dense(32)(x)))
+
+    qnet = QNet()
+    online = qnet.init(jax.random.key(0), jnp.ones((1, 8)))["params"]
+
+    def double_dqn(p, b, rng):
+        q = jnp.take_along_axis(qnet.apply({"params": p["online"]}, b["obs"]), b["act"][:, None], 1)[:, 0]
+        a_next = jnp.argmax(qnet.apply({"params": p["online"]}, b["next_obs"]), 1)
+        q_next = jnp.take_along_axis(qnet.apply({"params": jax.lax.stop_gradient(p["target"])}, b["next_obs"]),
+                                     a_next[:, None], 1)[:, 0]
+        return optax.huber_loss(q, jax.lax.stop_gradient(b["rew"] + 0.99 * q_next)).mean()
+
+    batch = {"obs": jnp.ones((16, 8)), "next_obs": jnp.ones((16, 8)) / 2, "act": jnp.arange(16) % 4,
+             "rew": jnp.ones((16,))}
+    state = TrainState.create(params={"online": online, "target": jax.tree.map(jnp.copy, online)},
+                              tx=optax.sgd(0.1), policy="fp8-current", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(3), trainable=lambda path, x: path[0].key == "online")
+    note = precision_audit(state, batch, double_dqn).logits_note()
+    assert (r"fp8_exclude+=^online\.Dense_0\.kernel$,^target\.Dense_0\.kernel$;"
+            r"float32_results+=^online\.Dense_0\.kernel$,^target\.Dense_0\.kernel$' keeps them out") in note, note
 
 
 def test_a_head_whose_weights_come_in_the_batch_is_found_and_frozen_params_name_it():

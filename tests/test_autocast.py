@@ -1070,8 +1070,12 @@ def test_a_one_hot_scanned_over_or_passed_to_a_cond_or_custom_jvp_is_a_selection
     pick.defjvp(lambda primals, tangents: (pick(*primals), tangents[0] @ primals[1] + primals[0] @ tangents[1]))
     in_jvp = autocast(lambda t, i: pick(jax.nn.one_hot(i, 32), t), BF)(table, ids)
     assert in_jvp.dtype == jnp.float32 and np.array_equal(in_jvp, table[ids])
-    # a one-hot's rows moved off the last axis are not a selection
+    # a one-hot's rows moved off the last axis are not a selection (a transpose, or a reshape that transposes first)
     moved = autocast(lambda t, i: jnp.swapaxes(jax.nn.one_hot(i, 8), 0, 1) @ t[:6], BF)(table, ids)
+    assert moved.dtype == jnp.bfloat16
+    square = jnp.arange(8) % 8
+    moved = autocast(lambda t, i: lax.reshape(jax.nn.one_hot(i, 8), (8, 8), dimensions=(1, 0)) @ t[:8], BF)(
+        table, square)
     assert moved.dtype == jnp.bfloat16
 
     def loss_fn(params, batch, rng):
