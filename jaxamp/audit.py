@@ -1070,8 +1070,8 @@ def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: 
         warnings.warn(text, PrecisionWarning, stacklevel=3)
     else:  # at the user's line, and each time (once per compilation: no once-per-line registry)
         warnings.warn_explicit(text, PrecisionWarning, frame.f_code.co_filename, frame.f_lineno,
-                               module=frame.f_globals.get("__name__") or frame.f_code.co_filename, registry={},
-                               module_globals=frame.f_globals)
+                               module=frame.f_globals.get("__name__") or frame.f_code.co_filename, registry={})
+        # (no module_globals: a `python -c` program's __loader__ is BuiltinImporter, whose get_source raises)
     return True
 
 

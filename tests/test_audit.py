@@ -150,13 +150,20 @@ def test_the_warning_is_at_an_ipython_cells_line():
     """A notebook cell's code is compiled as `<ipython-input-N-...>`: the warning is at the cell's line, not at
     IPython's `exec` (every `<...>` name was skipped) nor at jaxamp's."""
     state, batch, loss_fn = linen_setup("bf16", rows=512)
+    import importlib.machinery
+
     cell = compile("\n\nstep(state, batch, loss_fn)\n", "<ipython-input-3-0f1e2d>", "exec")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         exec(cell, {"step": jax.jit(train_step, static_argnames="loss_fn"), "state": state, "batch": batch,
                     "loss_fn": loss_fn})
+        # a `python -c` program: its globals' __loader__ cannot give a source (an ImportError, were they passed on)
+        exec(compile("step(state, batch, loss_fn)\n", "<string>", "exec"),
+             {"__name__": "__main__", "__loader__": importlib.machinery.BuiltinImporter,
+              "step": jax.jit(train_step, static_argnames="loss_fn"), "state": state,
+              "batch": (batch[0][:384], batch[1][:384]), "loss_fn": loss_fn})  # (another shape: another trace)
     found = [(w.filename, w.lineno) for w in caught if issubclass(w.category, PrecisionWarning)]
-    assert found == [("<ipython-input-3-0f1e2d>", 3)], found
+    assert found == [("<ipython-input-3-0f1e2d>", 3), ("<string>", 1)], found
 
 
 def test_the_warning_under_autocast_points_at_the_codes_own_float32_not_at_autocast():
