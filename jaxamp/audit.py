@@ -78,23 +78,20 @@ ABSORB_LIMIT = {"bfloat16": 2**8, "float16": 2**11}
 _HALF_NAMES = ("float16", "bfloat16")
 
 
-def _library_dirs() -> tuple[str, ...]:
-    """Folders whose frames are library code, not the user's: the installed model and optimizer libraries and
-    jaxamp's own library modules (its LM application, `jaxamp/lm`, counts as user code)."""
-    dirs = []
-    for name in ("flax", "equinox", "optax", "transformers", "jmp", "haiku", "orbax", "chex", "optree"):
-        spec = importlib.util.find_spec(name)
-        dirs += [os.path.join(d, "") for d in (spec.submodule_search_locations or []) if spec] if spec else []
-    return tuple(dirs)
+def _package_dirs(*names: str) -> tuple[str, ...]:
+    """The folders of the installed packages `names` (those that are installed), each ending in a separator."""
+    return tuple(os.path.join(d, "") for name in names if (spec := importlib.util.find_spec(name))
+                 for d in spec.submodule_search_locations or ())
 
 
-_LIBRARIES = _library_dirs()
+# Folders whose frames are library code, not the user's: the installed model and optimizer libraries (and jaxamp's
+# own library modules, `_is_library`: its LM application, `jaxamp/lm`, counts as user code).
+_LIBRARIES = _package_dirs("flax", "equinox", "optax", "transformers", "jmp", "haiku", "orbax", "chex", "optree")
 _JAXAMP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
 _JAXAMP_APP = os.path.join(_JAXAMP, "lm", "")
 
 
-_JAX_DIRS = tuple(os.path.join(d, "") for name in ("jax", "jaxlib") if (spec := importlib.util.find_spec(name))
-                  for d in spec.submodule_search_locations or ())
+_JAX_DIRS = _package_dirs("jax", "jaxlib")
 
 
 def _users_frame():
@@ -808,10 +805,12 @@ class PrecisionReport:
         head_at = f"the output head {head['weight']} at {head['source']}"
         if head["lhs"].startswith("float8"):
             # the same line's other heads too (a target network's copy of the head, read through stop_gradient)
-            alike = [r for r in heads if r["source"] == head["source"] and r.get("into") == into and r["weight"]
-                     and r["lhs"].startswith("float8")]
-            alike = list({r["weight"]: r for r in sorted(alike, key=lambda r: r is head)}.values())  # once each
-            alike.sort(key=lambda r: r is not head)  # the largest first
+            alike = {head["weight"]: head}  # the largest first, each weight once
+            for r in heads:
+                if r["source"] == head["source"] and r.get("into") == into and r["weight"] and \
+                        r["lhs"].startswith("float8"):
+                    alike.setdefault(r["weight"], r)
+            alike = list(alike.values())
             spec = self.policy
             for r in alike:
                 spec = _add_pattern(spec, "fp8_exclude", f"^{re.escape(r['weight'])}$")
@@ -819,7 +818,7 @@ class PrecisionReport:
                 if self.float32_results and not r.get("float32_results_names"):  # (a default may name it already)
                     spec = _add_pattern(spec, "float32_results", f"^{re.escape(r['weight'])}$")
             if len(alike) > 1:
-                head_at = f"the output heads {', '.join(dict.fromkeys(r['weight'] for r in alike))} at {head['source']}"
+                head_at = f"the output heads {', '.join(r['weight'] for r in alike)} at {head['source']}"
             runs, feeds, it = ("run", "feed", "them") if len(alike) > 1 else ("runs", "feeds", "it")
             if into == OUTPUT_LAYER:
                 return (f"{head_at} {runs} in FP8 and {feeds} the loss through no other matmul (an output layer no "
@@ -950,8 +949,10 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
     # (a weight matmul: a param operand, or an operand that is another input of the step, such as the other
     # network's weights a GAN's generator step takes in its batch; not attention's product of two activations)
     results = [re.compile(p) for p in float32_results or ()]
-    half_logits = [{**r, "into": into, "float32_results_names": any(  # (an FP8 head a pattern would keep float32)
-                        rx.search(n) for rx in results for n in exclusion_names(eqn, scopes))}
+    def named(eqn, scopes) -> bool:  # (an FP8 head a float32_results pattern would keep float32)
+        return any(rx.search(n) for rx in results for n in exclusion_names(eqn, scopes))
+
+    half_logits = [{**r, "into": into, "float32_results_names": named(eqn, scopes)}
                    for r, eqn, scopes in zip(walk.rows, walk.eqns, walk.names)
                    if autocast and r["pass"] == "forward"
                    and (_is_half(r["out"]) or r["lhs"].startswith("float8"))
@@ -961,8 +962,7 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
     # an FP8 weight matmul whose result reaches the loss through no other matmul: an output layer (a regression or
     # value head: no softmax finds it), which Transformer Engine's recipes keep out of FP8 as they keep a head
     found = {(r["source"], r["weight"]) for r in half_logits}
-    half_logits += [{**r, "into": OUTPUT_LAYER, "float32_results_names": any(
-                         rx.search(n) for rx in results for n in exclusion_names(eqn, scopes))}
+    half_logits += [{**r, "into": OUTPUT_LAYER, "float32_results_names": named(eqn, scopes)}
                     for r, eqn, scopes in zip(walk.rows, walk.eqns, walk.names)
                     if autocast and r["pass"] == "forward" and r["weight"] and r["lhs"].startswith("float8")
                     and (r["source"], r["weight"]) not in found and not walk.feeds_matmul(eqn.outvars[0])]
