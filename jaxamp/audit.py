@@ -210,7 +210,14 @@ def _matmul_flops(eqn) -> int:
         rhs = eqn.invars[1].aval
         out_feature = eqn.params["dimension_numbers"].rhs_spec[0]
         return 2 * math.prod(out.shape) * (math.prod(rhs.shape) // rhs.shape[out_feature])
-    return 2 * math.prod(out.shape) * eqn.invars[0].aval.shape[-1]  # ragged_dot, scaled_matmul: lhs [.., k]
+    if eqn.primitive.name == "ragged_dot_general":
+        dims = eqn.params["ragged_dot_dimension_numbers"]
+        (lhs_contract, _), _ = dims.dot_dimension_numbers
+        flops = 2 * math.prod(out.shape) * math.prod(eqn.invars[0].aval.shape[d] for d in lhs_contract)
+        if set(dims.lhs_ragged_dimensions) & set(lhs_contract):  # a weight gradient: out [groups, k, n], each group
+            return flops // eqn.invars[2].aval.shape[-1]  # over its own rows only, m rows in all
+        return flops
+    return 2 * math.prod(out.shape) * eqn.invars[0].aval.shape[-1]  # scaled_matmul: lhs [.., k]
 
 
 def _summed(eqn) -> int:
@@ -354,8 +361,8 @@ class _Walk:
         `x` taken by a `reduce_max` and by the `x - max` that goes to `exp`) or a log-sigmoid's (binary and
         multi-label losses: `_log_sigmoid_input`) through elementwise and shape ops and call, scan and cond
         boundaries only (no other matmul, normalisation or reduction), at most `depth` ops on; with `sizes`, a
-        softmax over an axis of one of those sizes (the classes a weight's output features make). Returns
-        `"softmax"`, `"log-sigmoid"` or `""` (neither)."""
+        softmax over an axis of one of those sizes (the classes a weight's output features make); or a `top_k` over
+        them (a mixture-of-experts router's choice). Returns `"softmax"`, `"log-sigmoid"`, `"top_k"` or `""`."""
         frontier, seen = [(var, depth, sizes)], set()
         while frontier:
             v, left, sizes = frontier.pop()
@@ -366,12 +373,20 @@ class _Walk:
                 return "softmax"
             if self._log_sigmoid_input(v):
                 return "log-sigmoid"
+            if self._top_k_input(v, sizes):
+                return "top_k"
             frontier += [(w, left - 1, sizes) for w in self.consumers.get(("exit", id(v)), [])]
             frontier += [(w, left - 1, sizes) for w in self.consumers.get(("enter", id(v)), [])]
             frontier += [(w, left - 1, None if eqn.primitive.name in ("pad", "concatenate") else sizes)
                          for eqn in self.consumers.get(id(v), []) if eqn.primitive.name in _LOGIT_PATH
                          for w in eqn.outvars]  # (padded or joined logits: their axis is no longer the weight's)
         return ""
+
+    def _top_k_input(self, var, sizes=None) -> bool:
+        """`var` (or a copy, `_aliases`) is a `top_k`'s operand over its last axis, of one of `sizes` if given: a
+        mixture-of-experts router's choice of experts (Mixtral's top-k before its softmax)."""
+        return any(e.primitive.name == "top_k" and (sizes is None or e.invars[0].aval.shape[-1] in sizes)
+                   for v in self._aliases(var) for e in self.consumers.get(id(v), []))
 
     def attends(self, var, depth: int = 10) -> bool:
         """Whether `var` reaches a forward matmul through other ops, at most `depth` values on: attention scores
@@ -683,8 +698,10 @@ class PrecisionReport:
         gives the FP8 share, and the warning fires when it is 0.
       half_logits: under autocast, the forward weight matmuls whose half-precision result (or FP8 operands) goes
         into a softmax (`log_softmax`, `logsumexp`, optax's cross-entropies) or a log-sigmoid (binary and
-        multi-label cross-entropies) through elementwise and shape ops only: an output head that `float32_results`
-        (or `fp8_exclude`) did not name. Rows as `rows`, with `into`: `"softmax"` or `"log-sigmoid"`.
+        multi-label cross-entropies) or a `top_k` (an MoE router's) through elementwise and shape ops only: an
+        output head or router that `float32_results` (or `fp8_exclude`) did not name; and FP8 weight matmuls that
+        reach the loss through no other matmul (an output layer). Rows as `rows`, with `into`: `"softmax"`,
+        `"log-sigmoid"`, `"top_k"` or `OUTPUT_LAYER`.
     """
 
     policy: str
@@ -740,6 +757,12 @@ class PrecisionReport:
             text += f" ({100 * self.fp8_fraction:.1f}% in FP8)"
         if self.fp8 and not self.fp8_fraction:
             text += f"; {_NO_FP8}"
+        grouped = sum(r["flops"] for r in self.rows if r["primitive"] == "ragged_dot_general"
+                      and not r["lhs"].startswith("float8"))
+        if self.fp8 and grouped:
+            text += (f"; {_flops_text(grouped)} of grouped matmuls (lax.ragged_dot) in the compute dtype: FP8 takes "
+                     "them in ragged_dot's own form under per-tensor scaling (fp8-current) only (an MoE's experts as "
+                     "a batched einsum run in FP8 under every recipe)")
         if selected:
             text += f"; {_flops_text(selected)} of one-hot selections besides, in their table's dtype"
         excluded = [r for r in self.rows if r.get("fp8_excluded_by") and r["pass"] == "forward"]
@@ -824,8 +847,12 @@ class PrecisionReport:
                 return (f"{head_at} {runs} in FP8 and {feeds} the loss through no other matmul (an output layer no "
                         "pattern names, such as a regression or value head; Transformer Engine's recipes keep the "
                         f"output layer out of FP8): policy '{spec}' keeps {it} out")
+            if into == "top_k":
+                head_at = head_at.replace("the output head", "the router")
             return (f"{head_at} {runs} in FP8 into a {into} (a head, or a router, no pattern names): policy '{spec}' "
                     f"keeps {it} out")
+        if into == "top_k":
+            head_at = f"the router {head['weight']} at {head['source']}"
         return (f"{head_at} writes {head['out']} logits into a {into} (a head, or a router, no pattern names): policy "
                 f"'{_add_pattern(self.policy, 'float32_results', pattern)}' keeps them float32")
 
@@ -988,8 +1015,10 @@ def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
     that name, else None."""
     patterns = [(p, re.compile(p)) for p in fp8_exclude]
     for row, eqn, scopes in zip(walk.rows, walk.eqns, walk.names):
-        # What an FP8 recipe would take (autocast_rules.fp8_applies): a dot_general without batch dims.
-        weight = eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][1][0]
+        # What an FP8 recipe would take (autocast_rules.fp8_applies): a dot_general with a param operand (batch dims
+        # allowed: an MoE's experts), or without batch dims.
+        weight = eqn.primitive.name == "dot_general" and bool(row.get("weight")
+                                                              or not eqn.params["dimension_numbers"][1][0])
         names = exclusion_names(eqn, scopes)
         kept_out = weight and _is_half(row["lhs"]) and not row["lhs"].startswith("float8")
         match = next(((p, n) for p, rx in patterns for n in names if rx.search(n)), (None, None)) if kept_out \

@@ -30,6 +30,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
+from jaxamp import fp8_grouped
 from jaxamp.fp8_recipes import fp8_dot_general
 
 __all__ = [
@@ -335,7 +336,7 @@ def matmul_rule(eqn, vals, mode: Mode, bounds=None) -> list:
         if pet is None or np.dtype(pet) == widest(orig):
             params["preferred_element_type"] = target
         if fp8_applies(eqn, mode):
-            return [fp8_dot(eqn, [cast(x, target) for x in vals[:n]], params, mode)]
+            return [fp8_dot(eqn, [cast(x, target) for x in vals[:n]] + list(vals[n:]), params, mode)]
         if np.dtype(params["preferred_element_type"]) == target and float32_result_applies(eqn, mode):
             return [float32_result_dot(eqn, [cast(x, target) for x in vals[:n]], params)]
     return checked_bind(eqn, [cast(x, target) for x in vals[:n]] + list(vals[n:]), params)
@@ -383,16 +384,22 @@ def exclusion_names(eqn, scopes=None) -> list[str]:
 
 
 def fp8_applies(eqn, mode: Mode) -> bool:
-    """Whether the FP8 recipe takes this matmul: a weight matmul, as Transformer Engine's Linear layers quantize
-    theirs: a `dot_general` without batch dimensions (the attention's batched score and value matmuls keep the
-    compute dtype) with a param operand where the function's arguments hold params (`mode.named_params`: CLIP's
-    image x text similarity keeps it), not excluded by name, and of sizes the recipe takes (MXFP8: multiples of
-    32)."""
-    if mode.fp8 is None or eqn.primitive.name != "dot_general":
+    """Whether the FP8 recipe takes this matmul: a weight matmul, as Transformer Engine's Linear and grouped
+    (MoE) layers quantize theirs: where the function's arguments hold params (`mode.named_params`), a `dot_general`
+    with a param operand (CLIP's image x text similarity and the attention's score and value matmuls keep the
+    compute dtype), batch dimensions allowed (an MoE's experts, `"egcd,edf->egcf"`: one scale per expert);
+    elsewhere a `dot_general` without batch dimensions (the attention's are batched); not excluded by name, and of
+    sizes the recipe takes (MXFP8: multiples of 32)."""
+    if mode.fp8 is None or eqn.primitive.name not in ("dot_general", "ragged_dot_general"):
         return False
-    (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
     scopes = scope_names(eqn)
-    if lb or (mode.named_params and not weight_path(scopes)):
+    if eqn.primitive.name == "ragged_dot_general":  # an MoE's grouped experts: lax.ragged_dot's own form only
+        return (fp8_grouped.is_ragged_dot(eqn.params["ragged_dot_dimension_numbers"])
+                and eqn.params.get("group_offset") is None and eqn.invars[0].aval.ndim == 2
+                and fp8_grouped.takes_recipe(mode.fp8) and not (mode.named_params and not weight_path(scopes))
+                and not any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn, scopes)))
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if not weight_path(scopes) if mode.named_params else lb:
         return False
     if any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn, scopes)):
         return False
@@ -400,13 +407,18 @@ def fp8_applies(eqn, mode: Mode) -> bool:
         return True
     lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
     k = int(np.prod([lhs[d] for d in lc]))
-    m = int(np.prod([s for d, s in enumerate(lhs) if d not in lc]))
-    n_ = int(np.prod([s for d, s in enumerate(rhs) if d not in rc]))
+    m = int(np.prod([s for d, s in enumerate(lhs) if d not in lc and d not in lb]))
+    n_ = int(np.prod([s for d, s in enumerate(rhs) if d not in rc and d not in rb]))
     return all(size % mode.fp8.multiple == 0 for size in (k, m, n_))
 
 
 def fp8_dot(eqn, operands: list, params: dict, mode: Mode):
-    """The matmul through `jaxamp.fp8_recipes.fp8_dot_general` under `mode.fp8` (stateless scaling)."""
+    """The matmul through `jaxamp.fp8_recipes.fp8_dot_general` (or `jaxamp.fp8_grouped.fp8_ragged_dot`) under
+    `mode.fp8` (stateless scaling)."""
+    if eqn.primitive.name == "ragged_dot_general":
+        lhs, rhs, group_sizes = operands
+        return fp8_grouped.fp8_ragged_dot(lhs, rhs, group_sizes, recipe=mode.fp8, compute_dtype=mode.compute,
+                                          preferred_element_type=params["preferred_element_type"])
     lhs, rhs = operands
     return fp8_dot_general(lhs, rhs, params["dimension_numbers"], preferred_element_type=params[
         "preferred_element_type"], recipe=mode.fp8, compute_dtype=mode.compute)

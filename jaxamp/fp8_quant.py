@@ -7,7 +7,8 @@ power-of-2 scales the two conventions give bitwise the same FP8 values; otherwis
 x * (fmt_max / amax) in TE may differ by one float32 rounding before the FP8 rounding. Nothing is remembered between
 calls (no amax history): the scale of a tensor comes from that tensor alone.
 
-* `current` (TE `Float8CurrentScaling`, torchao tensorwise): one f32[] scale for the whole tensor, amax / fmt_max.
+* `current` (TE `Float8CurrentScaling`, torchao tensorwise): one f32[] scale for the whole tensor, amax / fmt_max
+  (one per entry of its leading batch axes where asked: an MoE's experts).
 * `block` (DeepSeek-V3, TE `Float8BlockScaling`): one f32 scale per 1x128 tile (activations, output gradients) or
   128x128 block (weights), powers of 2 by default (TE's default).
 * `mxfp8` (OCP MX, TE `MXFP8BlockScaling`, `jax.nn.scaled_dot_general`): one f32 scale per 32 consecutive elements,
@@ -47,7 +48,7 @@ MX_BLOCK = 32
 
 __all__ = ["E4M3", "E5M2", "FP8_MAX", "MX_BLOCK", "MX_TILE", "ROW_TILE", "WEIGHT_TILE", "check_mxfp8_dim",
            "dequantize", "dequantize_block", "dequantize_current", "dequantize_mxfp8", "pow2_ceil", "quantize_block",
-           "quantize_current", "quantize_mxfp8", "quantize_tiles", "scale_from_amax"]
+           "quantize_current", "quantize_grouped", "quantize_mxfp8", "quantize_tiles", "scale_from_amax"]
 
 
 def _fp8_max(dtype) -> float:
@@ -86,16 +87,36 @@ def _to_fp8(x32: jax.Array, scale_full: jax.Array, dtype) -> jax.Array:
     return lax.convert_element_type(jnp.clip(x32 / scale_full, -fmax, fmax), jnp.dtype(dtype))
 
 
-def quantize_current(x: jax.Array, dtype=E4M3, *, power_of_2: bool = False) -> tuple[jax.Array, jax.Array]:
+def quantize_current(x: jax.Array, dtype=E4M3, *, power_of_2: bool = False,
+                     batch_axes: int = 0) -> tuple[jax.Array, jax.Array]:
     """Per-tensor current scaling (TE `Float8CurrentScaling`, torchao tensorwise): `x: bf16[...]` ->
     `(f8[...], f32[])`, scale = amax(|x|) / fmt_max of this very tensor.
 
     `dtype`: e4m3 (max 448) for activations and weights, e5m2 (max 57344) for output gradients (TE's HYBRID format).
     `power_of_2`: TE's `NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES` (off by default there and here).
+    `batch_axes`: how many leading axes index independent tensors (an MoE's experts, `bf16[experts, d, f]`): one
+    scale per entry, `f32[experts, 1, 1]` (kept dims, so it broadcasts), as Transformer Engine's grouped GEMMs
+    quantize each expert's weight and input alone.
     """
     x32 = x.astype(jnp.float32)
-    scale = scale_from_amax(jnp.max(jnp.abs(x32)), dtype, power_of_2)  # f32[]
+    amax = jnp.max(jnp.abs(x32), axis=tuple(range(batch_axes, x.ndim)), keepdims=batch_axes > 0)
+    scale = scale_from_amax(amax, dtype, power_of_2)  # f32[] or f32[b..., 1...]
     return _to_fp8(x32, scale, dtype), scale
+
+
+def quantize_grouped(x: jax.Array, group_ids: jax.Array, groups: int, dtype=E4M3, *,
+                     power_of_2: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Current scaling per group of rows (the tokens each expert of an MoE takes, Transformer Engine's grouped
+    GEMMs' split quantization): `x: bf16[rows, cols]`, `group_ids: i32[rows]` (a row's group, `groups` for rows in
+    none) -> `(f8[rows, cols], f32[groups + 1])`, each group's scale amax / fmt_max of its own rows (1 where it has
+    none; the last entry: the rows in no group)."""
+    x32 = x.astype(jnp.float32)
+    row_amax = jnp.max(jnp.abs(x32), axis=-1)  # f32[rows]
+    amax = jnp.maximum(jax.ops.segment_max(row_amax, group_ids, num_segments=groups + 1), 0.0)  # empty: -inf -> 0
+    amax = jnp.where(jax.ops.segment_sum(jnp.isnan(row_amax).astype(jnp.int32), group_ids,
+                                         num_segments=groups + 1) > 0, jnp.nan, amax)  # a NaN stays a NaN scale
+    scale = scale_from_amax(amax, dtype, power_of_2)  # f32[groups + 1]
+    return _to_fp8(x32, scale[group_ids][:, None], dtype), scale
 
 
 def dequantize_current(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:

@@ -10,7 +10,8 @@ No amax history, no FP8 collection: each matmul quantizes its operands from thei
 Recipes (`RECIPES`; the quantizers are in `jaxamp.fp8_quant`), for `out = x @ w` with `x: bf16[..., m, k]` (lhs, the
 activation), `w: bf16[k, n]` (rhs, the weight) and output gradient `g: bf16[..., m, n]`:
 
-* `current` (and `current-pow2`, its scales rounded down to powers of 2): x and w e4m3, g e5m2, one scale per tensor.
+* `current` (and `current-pow2`, its scales rounded down to powers of 2): x and w e4m3, g e5m2, one scale per tensor
+  (per entry of a batched matmul's batch dims: each expert of an MoE, as TE's grouped GEMMs scale each expert).
   The backward reuses the forward's FP8 x and w (a transpose keeps a per-tensor scale) and quantizes g once for both
   dgrad (`g @ w.T`) and wgrad (`x.T @ g`).
 * `block`: x and g e4m3 in 1x128 tiles along the contraction dim, w e4m3 in 128x128 blocks. The backward reuses the
@@ -124,8 +125,10 @@ def get_recipe(recipe: str | Recipe, power_of_2: bool | None = None) -> Recipe:
 # --- the matmuls on the canonical form: x [batch?, m, k], w [batch?, n, k], contraction over the last axes ---
 
 def _quantize(t: jax.Array, op: Operand) -> tuple[jax.Array, jax.Array]:
+    """`t: [batch?, rows, k]` quantized: per-tensor scales are one per batch entry (`f32[b, 1, 1]`: each expert of
+    an MoE's batched matmul its own tensor), tiles run over the last two axes of each entry."""
     if op.tile is None:
-        return fp8_quant.quantize_current(t, op.dtype, power_of_2=op.power_of_2)
+        return fp8_quant.quantize_current(t, op.dtype, power_of_2=op.power_of_2, batch_axes=t.ndim - 2)
     return fp8_quant.quantize_tiles(t, op.tile, op.dtype, power_of_2=op.power_of_2)
 
 
@@ -181,11 +184,12 @@ FP8_SCOPE = "jaxamp_fp8"
 # output head (lm1b's "logitdense", GPT-2's "lm_head", jaxamp.layers.attend's "head" scope, an NNX or Equinox
 # model's untied `head` / `lm_head` by its param path, a method such as `GPT.head` or `GPT.logits`, the
 # tied-embedding head `Embed.attend` of linen and NNX, Gemma's, and a head class's call, ESM2's
-# `LogitHead.__call__`), which Transformer Engine's recipes also leave in bf16. Anchored to whole names (or a method's
+# `LogitHead.__call__`), which Transformer Engine's recipes also leave in bf16, and an MoE's `router` (DeepSeek-V3
+# keeps its gating in BF16 or FP32; its logits pick the experts). Anchored to whole names (or a method's
 # name after its class's): a substring "head" would also match Equinox's "eqx.nn.MultiheadAttention" and a linen
 # `Dense(name="multihead_proj")`.
 FP8_EXCLUDE = (r"(^|\.)(lm_)?head$", r"(^|\.)logits?(dense)?$", r"(^|\.)classifier$", r"(^|\.)Embed\.attend$",
-               r"Head\.__call__$")
+               r"Head\.__call__$", r"(^|\.)router$")
 
 
 def fp8_scope(lhs_dtype, rhs_dtype) -> str:
@@ -280,10 +284,12 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision
     dims): the operands are transposed and reshaped to `[batch, rows, k]` / `[batch, n, k]` (batch dims, free dims
     and contracting dims each flattened into one), so tiles run along the flattened contraction. The forward
     contracts with float32 accumulation: the FP8 values themselves, times the two per-tensor scales afterwards
-    (`current`), or the operands dequantized per tile (`convert(f8 -> f32) * scale`: `block`, `mxfp8`); the
-    result is `compute_dtype` (`preferred_element_type` instead where given: `jnp.einsum` passes its operands'
-    result type). The backward quantizes the output gradient (e5m2 for `current`, e4m3 otherwise) and returns
-    cotangents in the operands' dtypes. `precision` goes to the inner dots.
+    (`current`; with batch dims, one scale per batch entry of each operand: an MoE's `"egcd,edf->egcf"` scales each
+    expert's weight and tokens alone, as Transformer Engine's grouped GEMMs do), or the operands dequantized per
+    tile (`convert(f8 -> f32) * scale`: `block`, `mxfp8`); the result is `compute_dtype` (`preferred_element_type`
+    instead where given: `jnp.einsum` passes its operands' result type). The backward quantizes the output gradient
+    (e5m2 for `current`, e4m3 otherwise) and returns cotangents in the operands' dtypes. `precision` goes to the
+    inner dots.
 
     Fits `nn.Dense(dot_general=...)` and `jnp.einsum(..., _dot_general=...)` (through `recipe_dot_general`); in an
     einsum the operand that reaches rhs is the weight: write the activation first (`"btd,dk->btk"`; einsum swaps the

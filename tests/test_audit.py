@@ -1008,3 +1008,66 @@ def test_a_head_whose_weights_come_in_the_batch_is_found_and_frozen_params_name_
     fixed = precision_audit(frozen.with_policy(policy, NoOpLossScale()), {"z": z}, loss)
     assert fixed.half_logits == () and [r["out"] for r in fixed.rows if r["pass"] == "forward"] == [
         "bfloat16", "bfloat16", "bfloat16", "float32"]
+
+
+class RaggedMoE(nn.Module):
+    """Mixtral's top-2 routing over experts run as grouped matmuls (`lax.ragged_dot` over tokens sorted by expert,
+    MaxText's GPU path), its router named `gate` (no default pattern names it)."""
+
+    @nn.compact
+    def __call__(self, x):  # f32[tokens, 16]
+        weights, chosen = jax.lax.top_k(nn.Dense(4, use_bias=False, name="gate")(x), 2)  # [t, 2]: the experts' picks
+        weights = jax.nn.softmax(weights, axis=-1)
+        order = jnp.argsort(chosen.reshape(-1))  # the t * 2 picks grouped by expert
+        token = jnp.repeat(jnp.arange(x.shape[0]), 2)[order]
+        sizes = jnp.bincount(chosen.reshape(-1), length=4).astype(jnp.int32)
+        w_in = self.param("w_in", nn.initializers.lecun_normal(), (4, 16, 32))
+        w_out = self.param("w_out", nn.initializers.lecun_normal(), (4, 32, 16))
+        y = jax.lax.ragged_dot(nn.silu(jax.lax.ragged_dot(x[token], w_in, sizes)), w_out, sizes)  # [t * 2, 16]
+        y = y * weights.reshape(-1)[order][:, None]
+        return nn.Dense(8, name="head")(x + jnp.zeros_like(x).at[token].add(y))
+
+
+def test_a_router_found_by_its_top_k_and_grouped_matmuls_in_fp8_or_named():
+    """A router whose logits go to `top_k` (no softmax right after it) is named with the policy that keeps them
+    float32, and out of FP8; the experts' `ragged_dot`s run in FP8 under `fp8-current`, and under a tiled recipe the
+    summary says they keep the compute dtype, rather than leaving 80% of the FLOPs in bf16 without a word. A
+    ragged_dot's weight gradient (each group over its own rows) counts the FLOPs of one forward, not groups times
+    more."""
+    net = RaggedMoE()
+    batch = {"x": jax.random.normal(jax.random.key(1), (32, 16)), "y": jnp.arange(32) % 8}
+    params = net.init(jax.random.key(0), batch["x"])["params"]
+
+    def loss(p, b, rng):
+        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, b["x"]), b["y"]).mean()
+
+    def audit(policy):
+        return precision_audit(TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy,
+                                                 loss_scale=NoOpLossScale(), rng=jax.random.key(2)), batch, loss)
+
+    line = inspect.getsourcelines(RaggedMoE.__call__)[1] + 2
+    bf16 = audit("bf16;autocast")
+    assert [(r["weight"], r["into"]) for r in bf16.half_logits] == [("gate.kernel", "top_k")]
+    assert (f"the router gate.kernel at test_audit.py:{line} writes bfloat16 logits into a top_k (a head, or a "
+            "router, no pattern names): policy 'bf16;autocast;float32_results+=^gate\\.kernel$' keeps them "
+            "float32") in bf16.summary()
+    assert audit("bf16;autocast;float32_results+=^gate\\.kernel$").half_logits == ()
+    for w, gemms in (("w_in", 1), ("w_out", 2)):  # (w_in's input is the batch's: no dgrad)
+        flops = {p: sum(r["flops"] for r in bf16.rows if r["weight"] == w and r["pass"] == p)
+                 for p in ("forward", "backward")}
+        assert flops["backward"] == gemms * flops["forward"] > 0, (w, flops)
+    fp8 = audit("fp8-current")
+    ragged = [(r["pass"], r["lhs"], r["rhs"]) for r in fp8.rows if r["primitive"] == "ragged_dot_general"]
+    assert sorted(ragged) == sorted([("forward", "float8_e4m3fn", "float8_e4m3fn"),  # x . w
+                                     ("backward", "float8_e4m3fn", "float8_e5m2")] * 2  # wgrad x^T . g
+                                    + [("backward", "float8_e5m2", "float8_e4m3fn")]), ragged  # w_out's dgrad
+    assert "grouped matmuls" not in fp8.summary() and fp8.fp8_fraction > 0.6, fp8.summary()
+    assert ("the router gate.kernel at" in fp8.summary() and "runs in FP8 into a top_k" in fp8.summary()
+            and "fp8_exclude+=^gate\\.kernel$" in fp8.summary()), fp8.summary()
+    block = audit("fp8-block")
+    grouped = sum(r["flops"] for r in block.rows if r["primitive"] == "ragged_dot_general")
+    assert {r["lhs"] for r in block.rows if r["primitive"] == "ragged_dot_general"} == {"bfloat16"}
+    assert grouped > 0.6 * sum(r["flops"] for r in block.rows)
+    assert (f"; {grouped / 1e6:.1f} MFLOP of grouped matmuls (lax.ragged_dot) in the compute dtype: FP8 takes them "
+            "in ragged_dot's own form under per-tensor scaling (fp8-current) only") in block.summary(), block.summary()
+    assert "grouped matmuls" not in bf16.summary()  # said only where FP8 was asked for

@@ -183,6 +183,24 @@ def test_fp8_dot_general_is_its_recipe(recipe):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
 
 
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_a_batched_matmul_quantizes_each_batch_entry_alone(recipe):
+    """Batch dims are independent matmuls (an MoE's experts, `"egcd,edf->egcf"`): value and both gradients equal
+    one `fp8_dot_general` per entry, stacked, so an expert whose weights are 1e5x smaller than its neighbour's keeps
+    FP8's precision instead of flushing under one scale for the whole stack."""
+    dims = (((3,), (1,)), ((0,), (0,)))  # [e, g, c, d] . [e, d, f] -> [e, g, c, f]
+    x, g = normal(40, (2, 4, 8, 64)), normal(42, (2, 4, 8, 32))
+    w = normal(41, (2, 64, 32), 0.1) * jnp.array([1.0, 1e-5])[:, None, None]
+    f = lambda x, w: fr.fp8_dot_general(x, w, dims, recipe=recipe, compute_dtype=jnp.float32)
+    got = jax.jit(functools.partial(_value_and_grads, f))(x, w, g)
+    one = lambda x, w: fr.fp8_dot_general(x, w, (((2,), (0,)), ((), ())), recipe=recipe, compute_dtype=jnp.float32)
+    per_entry = [jax.jit(functools.partial(_value_and_grads, one))(x[e], w[e], g[e]) for e in range(2)]
+    for a, b in zip(got, zip(*per_entry)):
+        np.testing.assert_allclose(a, jnp.stack(b), rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(jnp.stack(b)))))
+    exact = jnp.einsum("egcd,edf->egcf", x, w, precision="highest")
+    assert rel_l2(got[0][1], exact[1]) < 0.05, rel_l2(got[0][1], exact[1])  # the small expert, at e4m3's ~3%
+
+
 def test_flax_dense_drop_in():
     x = normal(9, (4, 16, 256)).astype(jnp.bfloat16)
     fp8_dense = nn.Dense(128, dtype=jnp.bfloat16, dot_general=fr.recipe_dot_general("block"))

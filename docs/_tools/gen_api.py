@@ -32,6 +32,7 @@ MODULES = {
     "jaxamp.trainable": "frozen and trainable leaves",
     "jaxamp.fp8_collection": "the FP8 collection's rules",
     "jaxamp.fp8_recipes": "stateless FP8 recipes: current, block and MXFP8 scaling",
+    "jaxamp.fp8_grouped": "grouped FP8 matmuls: an MoE's lax.ragged_dot under current scaling",
     "jaxamp.fp8_quant": "FP8 quantizers",
     "jaxamp.fidelity": "gradient fidelity against float32",
     "jaxamp.diagnostics": "activation ranges and gradient underflow",
@@ -70,9 +71,9 @@ DATA_DOCS = {
     "FP8_RECIPE_SPECS": "The policy specs of the stateless FP8 recipes (``fp8-current``, ``fp8-block``, ``mxfp8``) "
                         "and the recipe each names.",
     "FP8_EXCLUDE": "The default ``fp8_exclude`` of ``autocast``: regular expressions over module names, param "
-                   "paths and function names whose matmuls keep the compute dtype (the output head).",
-    "FLOAT32_RESULTS": "The default ``float32_results`` of ``autocast``: the output head by ``FP8_EXCLUDE``'s "
-                       "names, whose matmul writes float32 logits from compute-dtype operands.",
+                   "paths and function names whose matmuls keep the compute dtype (the output head, an MoE's router).",
+    "FLOAT32_RESULTS": "The default ``float32_results`` of ``autocast``: the output head and an MoE's router by "
+                       "``FP8_EXCLUDE``'s names, whose matmuls write float32 logits from compute-dtype operands.",
     "FP8_SCOPE": "The prefix of the name scope around an FP8 matmul, which the precision audit reads.",
     "MX_KERNEL_ENV": "The environment variable that picks the ``mxfp8`` path: ``jax`` "
                      "(``jax.nn.scaled_dot_general``), ``numerics``, or unset (``scaled_dot_general`` on Blackwell "
