@@ -214,6 +214,46 @@ def test_gpu_compile_for_an_h200_without_a_gpu(tmp_path):
     assert number(rows["fp8-current-pow2"][5]) < number(rows["fp8-current"][5]), rows  # kernel bytes
 
 
+MOE_HLO = """\
+%gemm_fusion (p0: bf16[4096,8192], p1: bf16[8192,4096]) -> bf16[4096,4096] {
+  %p0 = bf16[4096,8192]{1,0} parameter(0)
+  %p1 = bf16[8192,4096]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[4096,4096]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%batched (q0: f8e4m3fn[8,4096,1024], q1: f8e5m2[8,4096,64]) -> f32[8,1024,64] {
+  %q0 = f8e4m3fn[8,4096,1024]{2,1,0} parameter(0)
+  %q1 = f8e5m2[8,4096,64]{2,1,0} parameter(1)
+  ROOT %dot.2 = f32[8,1024,64]{2,1,0} dot(%q0, %q1), lhs_batch_dims={0}, lhs_contracting_dims={1}, BATCH_RHS
+}
+""".replace("BATCH_RHS", "rhs_batch_dims={0}, rhs_contracting_dims={1}")
+
+
+def test_gpu_compile_moe_counts_the_compiled_dots_flops():
+    """gpu_compile_moe's FLOPs of the compiled program: 2 x output elements x contracted size per dot, operand
+    shapes read from each computation's header (a ragged_dot expanded to one GEMM over 8 experts' weights: 8192)."""
+    from benchmarks.gpu_compile_moe import dot_flops
+    assert dot_flops(MOE_HLO) == 2 * 4096 * 4096 * 8192 + 2 * 8 * 1024 * 64 * 4096
+
+
+@pytest.mark.slow
+def test_gpu_compile_moe_for_an_h200_without_a_gpu(tmp_path):
+    """benchmarks/gpu_compile_moe.py where the JAX CUDA plugin is installed (CI has none): both MoE forms compile for
+    an H200 under fp8-current with FP8 GEMMs; the batched einsum's compiled FLOPs are the audit's, XLA's ragged_dot
+    (jax 0.10.2) computes every expert's GEMM over all tokens (4 experts: about 4x)."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="needs the JAX CUDA plugin: pip install \"jax[cuda13]\"")
+    out = tmp_path / "moe.md"
+    proc = run_script("benchmarks/gpu_compile_moe.py", "--policies", "fp8-current", "--tokens", "512", "--width",
+                      "128", "--hidden", "256", "--experts", "4", "--capacity", "256", "--out", str(out), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {tuple(r[:2]): r for r in (line.strip("|").split("|") for line in out.read_text().splitlines()
+                                       if line.startswith("| einsum") or line.startswith("| ragged_dot"))}
+    rows = {(k[0].strip(), k[1].strip()): [c.strip() for c in v] for k, v in rows.items()}
+    einsum, ragged = rows[("einsum", "fp8-current")], rows[("ragged_dot", "fp8-current")]
+    assert number(einsum[3]) >= 6 and number(ragged[3]) >= 6, rows  # FP8 GEMMs: the experts' forward and gradients
+    assert number(einsum[7]) == 1.0 and 3.0 < number(ragged[7]) <= 4.0, rows
+
+
 @pytest.mark.slow
 def test_gpu_throughput_tiny_autocast_fp8_recipes_and_bf16_moments(tmp_path):
     """The rows for the next GPU run: the LM under autocast, the stateless FP8 recipes, bf16 Adam moments (bf16's
