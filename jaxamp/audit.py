@@ -200,6 +200,12 @@ def _pass(eqn, inside_backward: bool = False) -> str:
     return "backward" if inside_backward or transposed else "forward"
 
 
+def _contracts_nothing(eqn) -> bool:
+    """A `dot_general` without contracting dims (`einsum("te,tec->tec")`): an elementwise or outer product, which
+    autocast leaves in its operands' widest type."""
+    return eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][0][0]
+
+
 def _matmul_flops(eqn) -> int:
     out = eqn.outvars[0].aval
     if eqn.primitive.name == "dot_general":
@@ -293,8 +299,11 @@ class _Walk:
             self.held_by[id(eqn)] = self.calls
             self.passes[id(eqn)] = _pass(eqn, self.backward)
             name = eqn.primitive.name
-            if name in _MATMULS and all(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.invars[:2]):
-                self._matmul(eqn, trips, compute_half)  # (an integer matmul, BigBird's mask einsums, is no GEMM here)
+            if name in _MATMULS and any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.invars[:2]) \
+                    and not _contracts_nothing(eqn):
+                # (an integer matmul, BigBird's mask einsums, is no GEMM here; a float one beside a boolean mask, a
+                # dispatch einsum, is; and a dot_general that contracts nothing is an elementwise product)
+                self._matmul(eqn, trips, compute_half)
             elif (name in _SUMS or name in _SCATTER_ADDS) and _dtype(eqn.outvars[0]) in ABSORB_LIMIT:
                 self._sum(eqn)
             for sub, inner_trips in _sub_jaxprs(eqn):
@@ -824,37 +833,39 @@ class PrecisionReport:
                     f"{into}: wrap that call in jax.named_scope('head') (a default float32_results pattern), or "
                     "pass that network in the params, frozen (TrainState.create(..., trainable=)), where this audit "
                     "names the policy that keeps them float32")
-        pattern = f"^{re.escape(head['weight'])}$"  # the whole param path: a module name alone recurs (`out`)
-        head_at = f"the output head {head['weight']} at {head['source']}"
-        if head["lhs"].startswith("float8"):
-            # the same line's other heads too (a target network's copy of the head, read through stop_gradient)
-            alike = {head["weight"]: head}  # the largest first, each weight once
-            for r in heads:
-                if r["source"] == head["source"] and r.get("into") == into and r["weight"] and \
-                        r["lhs"].startswith("float8"):
-                    alike.setdefault(r["weight"], r)
-            alike = list(alike.values())
+        fp8 = head["lhs"].startswith("float8")
+        # the same line's other heads too: a target network's copy read through stop_gradient, each layer's router
+        alike = {head["weight"]: head}  # the largest first, each weight once
+        for r in heads:
+            if r["source"] == head["source"] and r.get("into") == into and r["weight"] and \
+                    r["lhs"].startswith("float8") == fp8:
+                alike.setdefault(r["weight"], r)
+        alike = list(alike.values())
+        patterns = _path_patterns([r["weight"] for r in alike])  # whole param paths: a module name recurs (`out`)
+        named = (f"{_layers(head['weight'])} ({len(alike)} layers)" if len(patterns) < len(alike)
+                 else ", ".join(r["weight"] for r in alike))
+        several = len(alike) > 1
+        head_at = f"the {'router' if into == 'top_k' else 'output head'}{'s' if several else ''} {named} at " \
+                  f"{head['source']}"
+        runs, feeds, it, writes = ("run", "feed", "them", "write") if several else ("runs", "feeds", "it", "writes")
+        if not fp8:
             spec = self.policy
-            for r in alike:
-                spec = _add_pattern(spec, "fp8_exclude", f"^{re.escape(r['weight'])}$")
-            for r in alike:
-                if self.float32_results and not r.get("float32_results_names"):  # (a default may name it already)
-                    spec = _add_pattern(spec, "float32_results", f"^{re.escape(r['weight'])}$")
-            if len(alike) > 1:
-                head_at = f"the output heads {', '.join(r['weight'] for r in alike)} at {head['source']}"
-            runs, feeds, it = ("run", "feed", "them") if len(alike) > 1 else ("runs", "feeds", "it")
-            if into == OUTPUT_LAYER:
-                return (f"{head_at} {runs} in FP8 and {feeds} the loss through no other matmul (an output layer no "
-                        "pattern names, such as a regression or value head; Transformer Engine's recipes keep the "
-                        f"output layer out of FP8): policy '{spec}' keeps {it} out")
-            if into == "top_k":
-                head_at = head_at.replace("the output head", "the router")
-            return (f"{head_at} {runs} in FP8 into a {into} (a head, or a router, no pattern names): policy '{spec}' "
-                    f"keeps {it} out")
-        if into == "top_k":
-            head_at = f"the router {head['weight']} at {head['source']}"
-        return (f"{head_at} writes {head['out']} logits into a {into} (a head, or a router, no pattern names): policy "
-                f"'{_add_pattern(self.policy, 'float32_results', pattern)}' keeps them float32")
+            for pattern in patterns:
+                spec = _add_pattern(spec, "float32_results", pattern)
+            return (f"{head_at} {writes} {head['out']} logits into a {into} (a head, or a router, no pattern names): "
+                    f"policy '{spec}' keeps them float32")
+        spec = self.policy
+        for pattern in patterns:
+            spec = _add_pattern(spec, "fp8_exclude", pattern)
+        if self.float32_results and not all(r.get("float32_results_names") for r in alike):  # (a default may)
+            for pattern in patterns:
+                spec = _add_pattern(spec, "float32_results", pattern)
+        if into == OUTPUT_LAYER:
+            return (f"{head_at} {runs} in FP8 and {feeds} the loss through no other matmul (an output layer no "
+                    "pattern names, such as a regression or value head; Transformer Engine's recipes keep the "
+                    f"output layer out of FP8): policy '{spec}' keeps {it} out")
+        return (f"{head_at} {runs} in FP8 into a {into} (a head, or a router, no pattern names): policy '{spec}' "
+                f"keeps {it} out")
 
     def __str__(self) -> str:
         """The summary, then the matmuls grouped by where they come from and their weight, its layer numbers as `*`
@@ -917,7 +928,10 @@ def _add_pattern(policy: str, rule: str, pattern: str) -> str:
 
 
 def _flops_text(flops: float) -> str:
-    """`"5,107.0 GFLOP"`, `"12.6 MFLOP"`: FLOPs per step in the unit that reads best."""
+    """`"5,107.0 GFLOP"`, `"12.6 MFLOP"`, `"10.2 kFLOP"` (a toy model, "0.0 MFLOP" otherwise): FLOPs per step in
+    the unit that reads best."""
+    if flops < 5e4:
+        return f"{flops / 1e3:,.1f} kFLOP"
     return f"{flops / 1e9:,.1f} GFLOP" if flops >= 1e9 else f"{flops / 1e6:,.1f} MFLOP"
 
 
@@ -925,6 +939,15 @@ def _given(unused: tuple[str, ...], patterns: tuple[str, ...], defaults: tuple[s
     """The `unused` patterns the user gave: all, except `defaults` when `patterns` begin with them (`;NAME+=...`)."""
     skip = defaults if patterns[:len(defaults)] == defaults else ()
     return tuple(p for p in unused if p not in skip)
+
+
+def _path_patterns(paths: list[str]) -> list[str]:
+    """Anchored patterns that name each of `paths` (param paths of one source line's heads): one pattern with the
+    layer numbers as `[0-9]+` where the paths differ only in them (each layer's router of a 48-layer stack), else one
+    per path."""
+    exact = [f"^{re.escape(p)}$" for p in paths]
+    general = {re.sub(r"(\\\.|_|/|\^)[0-9]+(?=\\\.|_|/|\$)", r"\1[0-9]+", e) for e in exact}  # `\.0\.`
+    return sorted(general) if len(paths) > 1 and len(general) == 1 else exact
 
 
 def _layers(weight: str) -> str:

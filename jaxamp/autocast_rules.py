@@ -318,6 +318,8 @@ def matmul_rule(eqn, vals, mode: Mode, bounds=None) -> list:
     operands and a low-precision result dtype become float32, and `precision` becomes HIGHEST.
     """
     n = 2  # lhs, rhs; ragged_dot_general's third operand is the int32 group sizes
+    if eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][0][0] and not mode.reference:
+        return product_rule(eqn, vals, mode, bounds)
     orig = [eqn.invars[i].aval.dtype for i in range(n)]
     floats = [dtype_of(x) in ELIGIBLE or (mode.reference and is_low_float(dtype_of(x))) for x in vals[:n]]
     integers = [np.issubdtype(dtype_of(x), np.integer) or dtype_of(x) == np.bool_ for x in vals[:n]]
@@ -541,6 +543,20 @@ def selects(eqn, one_hot: Sequence[bool]) -> list[bool]:
     (lc, rc), _ = eqn.params["dimension_numbers"]
     return [hot and (var.aval.ndim - 1) in contracting
             for hot, var, contracting in zip(one_hot, eqn.invars[:2], (lc, rc))]
+
+
+def product_rule(eqn, vals, mode: Mode, bounds=None) -> list:
+    """A `dot_general` that contracts nothing (`einsum("te,tec->tec", probs, mask)`, an MoE's combine weights: an
+    elementwise or outer product, no GEMM): as an elementwise op, torch.amp's `mul`, in the widest floating type of
+    its operands, so float32 router probabilities are not rounded to the compute dtype."""
+    floats = [i for i in range(2) if dtype_of(vals[i]) in ELIGIBLE]
+    if not floats:
+        return original_rule(eqn, vals, mode, bounds)
+    target, params = widest([dtype_of(vals[i]) for i in floats]), dict(eqn.params)
+    pet = params.get("preferred_element_type")
+    if pet is None or np.dtype(pet) == widest([eqn.invars[i].aval.dtype for i in floats]):
+        params["preferred_element_type"] = target
+    return checked_bind(eqn, [cast(x, target) if i in floats else x for i, x in enumerate(vals[:2])], params)
 
 
 def selection_rule(eqn, vals, mode: Mode, bounds=None, one_hot=(False, False)) -> list:

@@ -62,6 +62,9 @@ Casts and constants:
   `jax.nn.one_hot(ids, n) @ table`, optax's `ctc_loss`'s gathers of its log-probabilities) is a selection written as
   a matmul: both operands take the other operand's dtype, as torch.amp's gather and embedding keep their input's (a
   float32 table's rows and CTC's loss stay float32); never FP8 (`autocast_rules.selection_rule`).
+* A `dot_general` that contracts nothing (`einsum("te,tec->tec", probs, mask)`, Flaxformer's MoE combine weights:
+  an elementwise or outer product, no GEMM) takes the widest rule, as torch.amp's `mul`
+  (`autocast_rules.product_rule`); the precision audit lists no row for it.
 
 Control flow and calls, re-bound through JAX's public API, their inner jaxprs interpreted under the same rules:
 
@@ -171,14 +174,16 @@ def autocast(fn: F, dtype: Any, *, fp8: Any = None, fp8_exclude: Sequence[str] =
              float32_results: Sequence[str] = FLOAT32_RESULTS) -> F:
     """`fn` with its matmuls in `dtype` and its sensitive ops in float32 (torch.amp's autocast op lists, CUDA).
 
-    With `fp8`, the weight matmuls (`dot_general` without batch dimensions: Dense, Conv1D-as-matmul, einsum
-    projections; where `fn`'s first positional argument or a `params=` keyword holds arrays, as `loss_fn(params,
-    ...)` and `model.apply(variables, ...)` do, one operand must come from them, sliced, cast or combined
-    elementwise at its own shape (`w[i]`, `v * g`, `W + A @ B`), so a product of two activations such as CLIP's
-    similarity matrix is not one, and neither is a weight closed over beside such an argument: pass the params)
-    run through `jaxamp.fp8_recipes.fp8_dot_general` under that stateless recipe (`"current"`:
+    With `fp8`, the weight matmuls (where `fn`'s first positional argument or a `params=` keyword holds arrays, as
+    `loss_fn(params, ...)` and `model.apply(variables, ...)` do: a `dot_general` one operand of which comes from
+    them, sliced, cast or combined elementwise at its own shape (`w[i]`, `v * g`, `W + A @ B`): Dense,
+    Conv1D-as-matmul, einsum projections, an MoE's batched experts `"egcd,edf->egcf"`; so a product of two
+    activations, CLIP's similarity matrix or the attention's scores, is not one, and neither is a weight closed
+    over beside such an argument: pass the params; where no argument holds params, a `dot_general` without batch
+    dimensions) run through `jaxamp.fp8_recipes.fp8_dot_general` under that stateless recipe (`"current"`:
     Transformer Engine's Float8CurrentScaling; `"block"`: DeepSeek-V3's 1x128 / 128x128 tiles; `"mxfp8"`), their
-    result in `dtype`; the attention's batched matmuls, convolutions and the matmuls `fp8_exclude` names keep
+    result in `dtype`, and `lax.ragged_dot`'s grouped experts through `jaxamp.fp8_grouped.fp8_ragged_dot` under
+    the per-tensor recipes; the attention's batched matmuls, convolutions and the matmuls `fp8_exclude` names keep
     `dtype`, as Transformer Engine keeps the output head and attention in bf16 by default.
 
     Args:

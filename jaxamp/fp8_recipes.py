@@ -184,12 +184,14 @@ FP8_SCOPE = "jaxamp_fp8"
 # output head (lm1b's "logitdense", GPT-2's "lm_head", jaxamp.layers.attend's "head" scope, an NNX or Equinox
 # model's untied `head` / `lm_head` by its param path, a method such as `GPT.head` or `GPT.logits`, the
 # tied-embedding head `Embed.attend` of linen and NNX, Gemma's, and a head class's call, ESM2's
-# `LogitHead.__call__`), which Transformer Engine's recipes also leave in bf16, and an MoE's `router` (DeepSeek-V3
-# keeps its gating in BF16 or FP32; its logits pick the experts). Anchored to whole names (or a method's
+# `LogitHead.__call__`), which Transformer Engine's recipes also leave in bf16, and an MoE's router (DeepSeek-V3
+# keeps its gating in BF16 or FP32; its logits pick the experts) by its usual names: `router` (Switch, Flaxformer,
+# DBRX, Llama 4) and the `gate` of an `mlp` / `moe` / `block_sparse_moe` (DeepSeek, Qwen-MoE, OLMoE, Mixtral; a
+# dense model's gated projection is `gate_proj` there). Anchored to whole names (or a method's
 # name after its class's): a substring "head" would also match Equinox's "eqx.nn.MultiheadAttention" and a linen
 # `Dense(name="multihead_proj")`.
 FP8_EXCLUDE = (r"(^|\.)(lm_)?head$", r"(^|\.)logits?(dense)?$", r"(^|\.)classifier$", r"(^|\.)Embed\.attend$",
-               r"Head\.__call__$", r"(^|\.)router$")
+               r"Head\.__call__$", r"(^|\.)router$", r"(^|\.)(mlp|moe|block_sparse_moe)\.gate$")
 
 
 def fp8_scope(lhs_dtype, rhs_dtype) -> str:

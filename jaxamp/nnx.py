@@ -384,11 +384,33 @@ def _unflatten(structure, arrays):
     return nnx.unflatten(structure, arrays)
 
 
+class _Static:
+    """A jit static argument for a value that may not hash: an NNX `GraphDef` holds the model's static attributes,
+    and a config with `__eq__` but no `__hash__` (transformers' `PretrainedConfig`, an `eq=True` dataclass) makes it
+    unhashable. Hashes as the value where it can, else by its type (jit's cache then tells such values apart by
+    equality); equal when the values are."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __hash__(self) -> int:
+        try:
+            return hash(self.value)
+        except TypeError:
+            return hash(type(self.value))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Static) and type(other.value) is type(self.value) and bool(self.value == other.value)
+
+
 def _step_arrays(structure, arrays, batch, loss_fn, accum_steps, on_overflow, max_retries, underflow_stats,
                  axis_name=None, shardings=None):
     """The fast path: plain arrays in and out; one compiled step per (structure, loss_fn, options, batch shapes).
     `shardings` (static: one per array, or None): the new arrays are constrained to the old ones' shardings, so a
     step on a mesh gives back what it took (no second compile)."""
+    structure = structure.value
     model, opt = _unflatten(structure, arrays)  # fresh variables at this trace level
     metrics = _step_in_place(model, opt, batch, loss_fn, dict(
         accum_steps=accum_steps, on_overflow=on_overflow, max_retries=max_retries, underflow_stats=underflow_stats,
@@ -518,8 +540,9 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
     _check_call(model, opt, loss_fn)
     structure, variables, arrays = _arrays_of((model, opt))
     try:
-        new_arrays, metrics = _JITTED[bool(donate)](structure, arrays, batch, loss_fn, accum_steps, on_overflow,
-                                                    max_retries, underflow_stats, axis_name, _mesh_shardings(arrays))
+        new_arrays, metrics = _JITTED[bool(donate)](_Static(structure), arrays, batch, loss_fn, accum_steps,
+                                                    on_overflow, max_retries, underflow_stats, axis_name,
+                                                    _mesh_shardings(arrays))
     except flax.errors.TraceContextError as err:
         if "Rng" not in str(err):
             raise
@@ -537,6 +560,7 @@ def train_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callab
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _eval(graphdef, trained, loss_fn, state, fp8, rest, batch):
+    graphdef = graphdef.value
     params_c = fp8c.merge_fp8(state.policy.cast_to_compute(fp8c.split_fp8(state.params)[0]), fp8 or None)
     loss = compute_loss(state.policy, _functional_loss(graphdef, loss_fn, trained, fp8))
     out, _ = loss(params_c, batch, None, rest)  # the model's new state (statistics, RNG counts) is dropped
@@ -562,7 +586,7 @@ def eval_step(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callabl
     """
     _check_call(model, opt, loss_fn)
     graphdef, trained, state, fp8, rest = _split(model, opt)
-    return _eval(graphdef, trained, loss_fn, state, fp8, rest, batch)
+    return _eval(_Static(graphdef), trained, loss_fn, state, fp8, rest, batch)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -579,6 +603,7 @@ def _split(model, opt: Optimizer):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _fidelity(graphdef, trained, loss_fn, accum_steps, state, fp8, rest, batch):
+    graphdef = graphdef.value
     pair = fidelity.gradient_pair(state, batch, _functional_loss(graphdef, loss_fn, trained, fp8),
                                   accum_steps=accum_steps, carry=rest)
     return fidelity.errors(*pair)
@@ -586,12 +611,14 @@ def _fidelity(graphdef, trained, loss_fn, accum_steps, state, fp8, rest, batch):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _fidelity_report(graphdef, trained, loss_fn, accum_steps, noise_floor, state, fp8, rest, batch):
+    graphdef = graphdef.value
     return fidelity.fidelity_report(state, batch, _functional_loss(graphdef, loss_fn, trained, fp8),
                                     accum_steps=accum_steps, noise_floor=noise_floor, carry=rest)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _capture(graphdef, trained, loss_fn, state, fp8, rest, batch):
+    graphdef = graphdef.value
     stateful = _functional_loss(graphdef, loss_fn, trained, fp8)
     return fp8_report.capture(state, batch, lambda p, b, rng: stateful(p, b, rng, rest)[0])
 
@@ -620,7 +647,7 @@ def grad_fidelity(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Cal
     graphdef, trained, state, fp8, rest = _split(model, opt)
     # before jit: accum_steps is one of its static arguments
     check_options(loss_fn, accum_steps, caller="jaxamp.nnx.grad_fidelity")
-    return _fidelity(graphdef, trained, loss_fn, accum_steps, state, fp8, rest, batch)
+    return _fidelity(_Static(graphdef), trained, loss_fn, accum_steps, state, fp8, rest, batch)
 
 
 def fidelity_report(model: nnx.Module, opt: Optimizer, batch: PyTree,
@@ -641,7 +668,7 @@ def fidelity_report(model: nnx.Module, opt: Optimizer, batch: PyTree,
     graphdef, trained, state, fp8, rest = _split(model, opt)
     check_options(loss_fn, accum_steps, caller="jaxamp.nnx.fidelity_report")
     floor = noise_floor if noise_floor is False or noise_floor is True else jnp.dtype(noise_floor)
-    return _fidelity_report(graphdef, trained, loss_fn, accum_steps, floor, state, fp8, rest, batch)
+    return _fidelity_report(_Static(graphdef), trained, loss_fn, accum_steps, floor, state, fp8, rest, batch)
 
 
 def fp8_ranges(model: nnx.Module, opt: Optimizer, batch: PyTree,
@@ -664,8 +691,8 @@ def fp8_ranges(model: nnx.Module, opt: Optimizer, batch: PyTree,
     if not fp8:
         raise ValueError("the model has no FP8 variables: build its layers with jaxamp.nnx.Fp8DotGeneral "
                          "(nnx.Linear(..., dot_general=Fp8DotGeneral())) or Fp8Einsum")
-    return fp8_report.ranges_table(*fp8_report.run_capture(_capture, graphdef, trained, loss_fn, state, fp8, rest,
-                                                           batch))
+    return fp8_report.ranges_table(*fp8_report.run_capture(_capture, _Static(graphdef), trained, loss_fn, state, fp8,
+                                                           rest, batch))
 
 
 def precision_audit(model: nnx.Module, opt: Optimizer, batch: PyTree, loss_fn: Callable[[nnx.Module, PyTree], Any], *,

@@ -1071,3 +1071,104 @@ def test_a_router_found_by_its_top_k_and_grouped_matmuls_in_fp8_or_named():
     assert (f"; {grouped / 1e6:.1f} MFLOP of grouped matmuls (lax.ragged_dot) in the compute dtype: FP8 takes them "
             "in ragged_dot's own form under per-tensor scaling (fp8-current) only") in block.summary(), block.summary()
     assert "grouped matmuls" not in bf16.summary()  # said only where FP8 was asked for
+
+
+def test_a_dot_general_that_contracts_nothing_is_no_matmul_and_a_mask_matmul_is_one_under_every_policy():
+    """Flaxformer's MoE router writes its combine weights as `einsum("te,tec->tec", probs, mask)`: a dot_general
+    with no contracting dims, an elementwise product. Autocast ran it as a bf16 matmul (float32 probabilities rounded:
+    1.8e-3 off) and the audit counted it; now it keeps its operands' widest type, exact, and is no row. Its dispatch
+    einsum contracts the tokens of a float32 input with a boolean mask: a GEMM, a row under fp32 (it was dropped as
+    an integer matmul there, so the two audits counted different FLOPs) as under autocast."""
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (8, 4)) * 3, axis=-1)  # f32[t, e]
+    mask = jax.nn.one_hot(jnp.arange(8) % 4, 4, dtype=jnp.bool_)[:, :, None] & (jnp.arange(3) == 0)  # bool[t, e, c]
+
+    def combine(p, m):  # user code: JAX's standard promotion of bool and float32
+        with jax.numpy_dtype_promotion("standard"):
+            return jnp.einsum("te,tec->tec", p, m)
+
+    got = jax.jit(jaxamp.autocast(combine, jnp.bfloat16))(probs, mask)
+    assert got.dtype == jnp.float32 and jnp.array_equal(got, combine(probs, mask))
+    outer = jax.jit(jaxamp.autocast(lambda a, b: jnp.einsum("t,f->tf", a, b), jnp.bfloat16))
+    assert outer(probs[:, 0], probs[0]).dtype == jnp.float32  # an outer product of float32 stays float32
+
+    params = {"w": jax.random.normal(jax.random.key(1), (16, 16)) * 0.1}
+
+    def loss(p, batch, rng):
+        x = batch["x"] @ p["w"]  # f32[t, 16]
+        with jax.numpy_dtype_promotion("standard"):
+            weights = jnp.einsum("te,tec->tec", jax.nn.softmax(x[:, :4], axis=-1), batch["mask"])  # no contraction
+            routed = jnp.einsum("tec,td->ecd", batch["mask"], x)  # contracts t: a GEMM with a boolean operand
+        return jnp.mean(jnp.square(routed)) + jnp.mean(weights)
+
+    batch = {"x": jax.random.normal(jax.random.key(2), (8, 16)), "mask": mask}
+    counts = {}
+    for policy in ("fp32", "bf16;autocast"):
+        state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(),
+                                  rng=jax.random.key(3))
+        report = precision_audit(state, batch, loss)
+        counts[policy] = sorted((r["source"].rsplit(":", 1)[1], r["pass"]) for r in report.rows)
+        assert all(r["primitive"] == "dot_general" for r in report.rows)
+    line = inspect.getsourcelines(loss)[1]
+    rows = [(str(line + 1), "forward"), (str(line + 1), "backward"),  # (its input is the batch: wgrad only)
+            (str(line + 3), "backward"),  # the product's transpose sums over c: a contraction, in both audits
+            (str(line + 4), "forward"), (str(line + 4), "backward")]
+    assert counts["fp32"] == counts["bf16;autocast"] == sorted(rows), counts
+    assert "kFLOP of matmuls" in report.summary(), report.summary()  # a toy's FLOPs, not "0.0 MFLOP"
+
+
+def test_every_layers_router_is_named_by_one_pattern_and_the_mlp_gate_of_an_moe_is_a_default_name():
+    """A stack's routers on one source line (no default name: `select`) are suggested as one pattern with the layer
+    number as `[0-9]+` (a 48-layer MoE gave 48 anchored paths, each twice under FP8), which keeps them all float32;
+    DeepSeek's, Qwen-MoE's and Mixtral's `mlp.gate` / `block_sparse_moe.gate` are default names."""
+    class Layer(nn.Module):
+        router: str
+
+        @nn.compact
+        def __call__(self, x):  # f32[tokens, 16]
+            weights, chosen = jax.lax.top_k(nn.Dense(4, use_bias=False, name=self.router)(x), 1)  # the router
+            return x + jax.nn.sigmoid(weights) * nn.Dense(16)(x) * (chosen > 1).astype(x.dtype)
+
+    class Stack(nn.Module):
+        router: str
+
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = Layer(self.router, name=f"layers_{i}")(x)
+            return nn.Dense(8, name="head")(x)
+
+    batch = {"x": jax.random.normal(jax.random.key(1), (32, 16)), "y": jnp.arange(32) % 8}
+
+    def audit(net, policy):
+        params = net.init(jax.random.key(0), batch["x"])["params"]
+
+        def loss(p, b, rng):
+            return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, b["x"]), b["y"]).mean()
+
+        return precision_audit(TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy,
+                                                 loss_scale=NoOpLossScale(), rng=jax.random.key(2)), batch, loss)
+
+    pattern = r"^layers_[0-9]+\.select\.kernel$"
+    note = audit(Stack("select"), "bf16;autocast").logits_note()
+    assert note.startswith("the routers layers_*.select.kernel (3 layers) at test_audit.py:"), note
+    assert f"policy 'bf16;autocast;float32_results+={pattern}' keeps them float32" in note, note
+    assert audit(Stack("select"), f"bf16;autocast;float32_results+={pattern}").half_logits == ()
+    fp8 = audit(Stack("select"), "fp8-current").logits_note()
+    assert f"policy 'fp8-current;fp8_exclude+={pattern};float32_results+={pattern}' keeps them out" in fp8, fp8
+    for name in ("mlp.gate", "block_sparse_moe.gate"):  # linen names nest: a module `mlp` holding `gate`
+        class Named(nn.Module):
+            @nn.compact
+            def __call__(self, x, name=name):
+                outer, inner = name.split(".")
+                return Layer(inner, name=outer)(x)
+
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                return nn.Dense(8, name="head")(Named(name="layers_0")(x))
+
+        report = audit(Net(), "fp8-current")
+        assert report.half_logits == (), report.summary()
+        router = [r for r in report.rows if r["weight"].endswith("gate.kernel") and r["pass"] == "forward"]
+        assert [(r["lhs"], r["out"], r["fp8_excluded_by"]) for r in router] == [
+            ("bfloat16", "float32", r"(^|\.)(mlp|moe|block_sparse_moe)\.gate$")], router

@@ -471,3 +471,48 @@ def test_the_optimizer_makes_float32_master_weights_and_builds_under_eval_shape(
     assert bits(nnx.state(model)) == before  # an abstract optimizer (an orbax restore target) leaves the model be
     leaves = jax.tree.leaves(nnx.state(abstract))
     assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+class UnhashableConfig:
+    """A config with `__eq__` and no `__hash__`, as transformers' `PretrainedConfig` (kept by SkyRL's NNX Qwen3)."""
+    width = 16
+
+    def __eq__(self, other):
+        return isinstance(other, UnhashableConfig)
+
+
+class Configured(nnx.Module):
+    def __init__(self, config, rngs):
+        self.config = config
+        self.l1 = nnx.Linear(config.width, config.width, rngs=rngs)
+        self.head = nnx.Linear(config.width, 4, rngs=rngs)
+        self.tied = self.l1  # a shared submodule: the step takes the NNX graph path, its GraphDef static
+
+    def __call__(self, x):
+        return self.head(jax.nn.relu(self.tied(self.l1(x))))
+
+
+def test_a_model_holding_an_unhashable_config_steps_evaluates_and_measures_fidelity_with_one_compile_each():
+    """An NNX model whose static attributes do not hash made every jitted helper fail ("Non-hashable static
+    arguments", its GraphDef a static argument): train_step on the graph path, eval_step, grad_fidelity,
+    fidelity_report. Each compiles once over several calls (a new, equal GraphDef each call)."""
+    import jaxamp.nnx as jnnx
+
+    model = Configured(UnhashableConfig(), nnx.Rngs(0))
+    opt = Optimizer(model, optax.adam(1e-3), policy="bf16;autocast", loss_scale=NoOpLossScale())
+    batch = (jnp.ones((8, 16)), jnp.arange(8) % 4)
+    traces = []
+
+    def loss_fn(model, batch):
+        traces.append(1)
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch[0]), batch[1]).mean()
+
+    for call, loss_traces in ((lambda: train_step(model, opt, batch, loss_fn), 1),
+                              (lambda: jnnx.eval_step(model, opt, batch, loss_fn), 1),
+                              (lambda: jnnx.grad_fidelity(model, opt, batch, loss_fn), 2),  # and its reference
+                              (lambda: jnnx.fidelity_report(model, opt, batch, loss_fn), 2)):
+        traces.clear()
+        results = [call() for _ in range(3)]
+        assert len(traces) == loss_traces, len(traces)  # one compile
+        assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree.leaves(results[-1]))
+    assert int(opt.step) == 3
