@@ -125,6 +125,13 @@ def _is_half(dtype) -> bool:
     return name in _HALF_NAMES or name.startswith("float8")
 
 
+def _half_operands(lhs, rhs) -> bool:
+    """Whether a matmul's floating operands are all half precision (or FP8): a boolean or integer mask beside a
+    bfloat16 activation (a dispatch einsum) runs as that activation's GEMM."""
+    floats = [d for d in (lhs, rhs) if jnp.issubdtype(jnp.dtype(d), jnp.inexact)]
+    return bool(floats) and all(map(_is_half, floats))
+
+
 def _dtype(v) -> str:
     return jnp.dtype(v.aval.dtype).name if hasattr(v.aval, "dtype") else "?"
 
@@ -357,11 +364,11 @@ class _Walk:
                "pass": _pass(eqn, self.backward),
                "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}",
                "scope": "/".join(_scope(names)), "callers": callers, "weight": weight_path(names),
-               "selection": not (_is_half(lhs) and _is_half(rhs)) and any(self._one_hot(v, 8) for v in eqn.invars[:2])}
+               "selection": not _half_operands(lhs, rhs) and any(self._one_hot(v, 8) for v in eqn.invars[:2])}
         self.rows.append(row)
         self.eqns.append(eqn)
         self.names.append(names)
-        if compute_half and not (_is_half(lhs) and _is_half(rhs)) and not row["selection"]:
+        if compute_half and not _half_operands(lhs, rhs) and not row["selection"]:
             if self.first_fallback is None:
                 self.first_fallback = (row, eqn)
 
@@ -767,11 +774,11 @@ class PrecisionReport:
         if self.fp8 and not self.fp8_fraction:
             text += f"; {_NO_FP8}"
         grouped = sum(r["flops"] for r in self.rows if r["primitive"] == "ragged_dot_general"
-                      and not r["lhs"].startswith("float8"))
+                      and not r["lhs"].startswith("float8") and not r.get("fp8_excluded_by"))
         if self.fp8 and grouped:
             text += (f"; {_flops_text(grouped)} of grouped matmuls (lax.ragged_dot) in the compute dtype: FP8 takes "
-                     "them in ragged_dot's own form under per-tensor scaling (fp8-current) only (an MoE's experts as "
-                     "a batched einsum run in FP8 under every recipe)")
+                     "them in ragged_dot's own form (lhs [m, k], rhs [groups, k, n]) under per-tensor scaling "
+                     "(fp8-current) only (an MoE's experts as a batched einsum run in FP8 under every recipe)")
         if selected:
             text += f"; {_flops_text(selected)} of one-hot selections besides, in their table's dtype"
         excluded = [r for r in self.rows if r.get("fp8_excluded_by") and r["pass"] == "forward"]
@@ -842,7 +849,8 @@ class PrecisionReport:
                 alike.setdefault(r["weight"], r)
         alike = list(alike.values())
         patterns = _path_patterns([r["weight"] for r in alike])  # whole param paths: a module name recurs (`out`)
-        named = (f"{_layers(head['weight'])} ({len(alike)} layers)" if len(patterns) < len(alike)
+        starred = re.sub(r"\\(.)", r"\1", patterns[0][1:-1].replace("[0-9]+", "*"))  # `layers.*.gate.kernel`
+        named = (f"{starred} ({len(alike)} layers)" if len(patterns) < len(alike)
                  else ", ".join(r["weight"] for r in alike))
         several = len(alike) > 1
         head_at = f"the {'router' if into == 'top_k' else 'output head'}{'s' if several else ''} {named} at " \
@@ -897,8 +905,9 @@ class PrecisionReport:
         return "\n".join(lines)
 
 
-_NO_FP8 = ("the policy asks for FP8 but no matmul ran in FP8 (FP8 covers weight matmuls, dot_general: convolutions "
-           "and activation x activation matmuls stay in the compute dtype; fp8_exclude keeps the output head out)")
+_NO_FP8 = ("the policy asks for FP8 but no matmul ran in FP8 (FP8 covers weight matmuls, dot_general and an MoE's "
+           "ragged_dot: convolutions and activation x activation matmuls stay in the compute dtype; fp8_exclude "
+           "keeps the output head out)")
 
 
 def _class_sizes(eqn) -> set | None:
@@ -913,6 +922,15 @@ def _class_sizes(eqn) -> set | None:
         if len(v.aval.shape) <= 2:
             sizes |= {n for d, n in enumerate(v.aval.shape) if d not in used and n > 1}
     return sizes
+
+
+def _router_shaped(eqn) -> bool:
+    """A weight matmul whose `top_k` may be a router's: fewer output features (experts: 8 to 384) than it contracts
+    (the model width), not a TopK sparse autoencoder's encoder (a dictionary wider than its input)."""
+    if eqn.primitive.name != "dot_general" or not eqn.outvars[0].aval.shape:
+        return False
+    (contract, _), _ = eqn.params["dimension_numbers"]  # top_k runs over the last axis: the output features
+    return eqn.outvars[0].aval.shape[-1] <= math.prod(eqn.invars[0].aval.shape[d] for d in contract)
 
 
 def _add_pattern(policy: str, rule: str, pattern: str) -> str:
@@ -942,12 +960,22 @@ def _given(unused: tuple[str, ...], patterns: tuple[str, ...], defaults: tuple[s
 
 
 def _path_patterns(paths: list[str]) -> list[str]:
-    """Anchored patterns that name each of `paths` (param paths of one source line's heads): one pattern with the
-    layer numbers as `[0-9]+` where the paths differ only in them (each layer's router of a 48-layer stack), else one
-    per path."""
+    r"""Anchored patterns that name each of `paths` (param paths of one source line's heads): one pattern where the
+    paths differ only in whole-number components (each layer's router of a 48-layer stack: `layers\.[0-9]+\.`),
+    those components alone as `[0-9]+` (`Dense_0` stays `Dense_0`), else one per path."""
     exact = [f"^{re.escape(p)}$" for p in paths]
-    general = {re.sub(r"(\\\.|_|/|\^)[0-9]+(?=\\\.|_|/|\$)", r"\1[0-9]+", e) for e in exact}  # `\.0\.`
-    return sorted(general) if len(paths) > 1 and len(general) == 1 else exact
+    split = [re.split(r"((?:^|(?<=[._/]))[0-9]+(?=$|[._/]))", p) for p in paths]  # [text, number, text, ...]
+    if len(paths) < 2 or len({len(parts) for parts in split}) > 1:
+        return exact
+    pattern = []
+    for i, column in enumerate(zip(*split)):
+        if len(set(column)) == 1:
+            pattern.append(re.escape(column[0]))
+        elif i % 2:  # a layer number that differs
+            pattern.append("[0-9]+")
+        else:
+            return exact
+    return [f"^{''.join(pattern)}$"]
 
 
 def _layers(weight: str) -> str:
@@ -994,8 +1022,8 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
         _mark_float32_results(walk, float32_results)
     counted = [r for r in walk.rows if not r.get("selection")]  # (a one-hot matmul selects: it runs as its input)
     total = sum(r["flops"] for r in counted)
-    half = sum(r["flops"] for r in counted if _is_half(r["lhs"]) and _is_half(r["rhs"]))
-    fallbacks = [dict(r) for r in counted if compute_half and not (_is_half(r["lhs"]) and _is_half(r["rhs"]))]
+    half = sum(r["flops"] for r in counted if _half_operands(r["lhs"], r["rhs"]))
+    fallbacks = [dict(r) for r in counted if compute_half and not _half_operands(r["lhs"], r["rhs"])]
     # (a weight matmul: a param operand, or an operand that is another input of the step, such as the other
     # network's weights a GAN's generator step takes in its batch; not attention's product of two activations)
     results = [re.compile(p) for p in float32_results or ()]
@@ -1008,7 +1036,8 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
                    and (_is_half(r["out"]) or r["lhs"].startswith("float8"))
                    and (r["weight"] or (any(walk.from_input(v) for v in eqn.invars[:2])
                                         and not walk.attends(eqn.outvars[0])))
-                   and (into := walk.feeds_softmax(eqn.outvars[0], _class_sizes(eqn)))]
+                   and (into := walk.feeds_softmax(eqn.outvars[0], _class_sizes(eqn)))
+                   and (into != "top_k" or _router_shaped(eqn))]
     # an FP8 weight matmul whose result reaches the loss through no other matmul: an output layer (a regression or
     # value head: no softmax finds it), which Transformer Engine's recipes keep out of FP8 as they keep a head
     found = {(r["source"], r["weight"]) for r in half_logits}
@@ -1039,11 +1068,12 @@ def _mark_fp8_exclusions(walk: _Walk, fp8_exclude) -> None:
     patterns = [(p, re.compile(p)) for p in fp8_exclude]
     for row, eqn, scopes in zip(walk.rows, walk.eqns, walk.names):
         # What an FP8 recipe would take (autocast_rules.fp8_applies): a dot_general with a param operand (batch dims
-        # allowed: an MoE's experts), or without batch dims.
-        weight = eqn.primitive.name == "dot_general" and bool(row.get("weight")
-                                                              or not eqn.params["dimension_numbers"][1][0])
+        # allowed: an MoE's experts), or without batch dims; a ragged_dot.
+        batched = eqn.primitive.name == "dot_general" and eqn.params["dimension_numbers"][1][0]
+        weight = eqn.primitive.name == "ragged_dot_general" or (
+            eqn.primitive.name == "dot_general" and bool(row.get("weight") or not batched))
         names = exclusion_names(eqn, scopes)
-        kept_out = weight and _is_half(row["lhs"]) and not row["lhs"].startswith("float8")
+        kept_out = weight and _half_operands(row["lhs"], row["rhs"]) and not row["lhs"].startswith("float8")
         match = next(((p, n) for p, rx in patterns for n in names if rx.search(n)), (None, None)) if kept_out \
             else (None, None)
         row["fp8_excluded_by"], row["fp8_excluded_name"] = match
@@ -1056,7 +1086,7 @@ def _mark_float32_results(walk: _Walk, float32_results) -> None:
     patterns = [(p, re.compile(p)) for p in float32_results]
     for row, eqn, scopes in zip(walk.rows, walk.eqns, walk.names):
         wrote = (eqn.primitive.name in ("dot_general", "conv_general_dilated") and row["out"] == "float32"
-                 and _is_half(row["lhs"]) and _is_half(row["rhs"]) and not row["lhs"].startswith("float8"))
+                 and _half_operands(row["lhs"], row["rhs"]) and not row["lhs"].startswith("float8"))
         names = exclusion_names(eqn, scopes) if wrote else []
         row["float32_result_by"] = next((p for p, rx in patterns for n in names if rx.search(n)), None)
 

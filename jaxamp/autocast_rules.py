@@ -109,7 +109,7 @@ class Mode:
     Attributes:
       compute: the half-precision compute dtype (bfloat16 or float16) of `autocast`; None in `float32_reference`
         mode, where every floating value is float32 and matmuls run at `Precision.HIGHEST`.
-      fp8: a `jaxamp.fp8_recipes.Recipe` for the weight matmuls (`dot_general` without batch dimensions), or None.
+      fp8: a `jaxamp.fp8_recipes.Recipe` for the weight matmuls (`fp8_applies`), or None.
       fp8_exclude: compiled regular expressions; a matmul with a name on its name stack (a Flax module's name, a
         `jax.named_scope`) that one matches keeps the compute dtype.
       float32_results: compiled regular expressions over the same names (`exclusion_names`); a `dot_general` that one
@@ -211,7 +211,8 @@ NAME_COMBINING = frozenset({"add", "add_any", "sub", "mul", "div"})
 
 def carried_name(eqn, names: Sequence) -> str | None:
     """The param path `eqn`'s first output carries from its inputs' (`names`, per input), or None: through
-    `NAME_PRESERVING` and `NAME_SLICING` ops from the first input, through `NAME_COMBINING` ops from an input of the
+    `NAME_PRESERVING` and `NAME_SLICING` ops from the first input (a `broadcast_in_dim` only where it adds size-1
+    dims, not where it copies the param onto a batch), through `NAME_COMBINING` ops from an input of the
     output's shape (not a bias or a scale broadcast onto an activation), through a `concatenate` of params only
     (Flax's `OptimizedLSTMCell` joins its four gates' kernels; a fused QKV) as their paths joined by `+`."""
     name = eqn.primitive.name
@@ -219,6 +220,8 @@ def carried_name(eqn, names: Sequence) -> str | None:
         return None
     if name == "concatenate":
         return "+".join(names) if all(names) else None
+    if name == "broadcast_in_dim" and eqn.outvars[0].aval.size != eqn.invars[0].aval.size:
+        return None  # a param copied onto a batch (DETR's, a Perceiver's learned queries) is an activation
     if name in NAME_PRESERVING or name in NAME_SLICING:
         return names[0]
     if name in NAME_COMBINING:
@@ -389,9 +392,11 @@ def fp8_applies(eqn, mode: Mode) -> bool:
     """Whether the FP8 recipe takes this matmul: a weight matmul, as Transformer Engine's Linear and grouped
     (MoE) layers quantize theirs: where the function's arguments hold params (`mode.named_params`), a `dot_general`
     with a param operand (CLIP's image x text similarity and the attention's score and value matmuls keep the
-    compute dtype), batch dimensions allowed (an MoE's experts, `"egcd,edf->egcf"`: one scale per expert);
-    elsewhere a `dot_general` without batch dimensions (the attention's are batched); not excluded by name, and of
-    sizes the recipe takes (MXFP8: multiples of 32)."""
+    compute dtype), with batch dimensions only where they lead both operands (an MoE's experts, `"egcd,edf->egcf"`
+    or a vmap over them: one scale per expert; a per-head relative-position term `"bhld,hmd"` keeps the compute
+    dtype); elsewhere a `dot_general` without batch dimensions (the attention's are batched); `lax.ragged_dot`'s
+    own form under the per-tensor recipes; not excluded by name, and of sizes the recipe takes (MXFP8: multiples of
+    32)."""
     if mode.fp8 is None or eqn.primitive.name not in ("dot_general", "ragged_dot_general"):
         return False
     scopes = scope_names(eqn)
@@ -403,6 +408,8 @@ def fp8_applies(eqn, mode: Mode) -> bool:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     if not weight_path(scopes) if mode.named_params else lb:
         return False
+    if tuple(lb) != tuple(range(len(lb))) or tuple(rb) != tuple(range(len(rb))):
+        return False  # experts first on both sides (`"egcd,edf"`, a vmap over experts): not per-head position terms
     if any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn, scopes)):
         return False
     if mode.fp8.multiple is None:
@@ -548,15 +555,23 @@ def selects(eqn, one_hot: Sequence[bool]) -> list[bool]:
 def product_rule(eqn, vals, mode: Mode, bounds=None) -> list:
     """A `dot_general` that contracts nothing (`einsum("te,tec->tec", probs, mask)`, an MoE's combine weights: an
     elementwise or outer product, no GEMM): as an elementwise op, torch.amp's `mul`, in the widest floating type of
-    its operands, so float32 router probabilities are not rounded to the compute dtype."""
+    its operands (a boolean or integer operand converted to it), so float32 router probabilities are not rounded to
+    the compute dtype. Written as a broadcast multiply, so its gradient is a multiply and a sum, not a matmul with a
+    mask operand."""
     floats = [i for i in range(2) if dtype_of(vals[i]) in ELIGIBLE]
     if not floats:
         return original_rule(eqn, vals, mode, bounds)
-    target, params = widest([dtype_of(vals[i]) for i in floats]), dict(eqn.params)
-    pet = params.get("preferred_element_type")
-    if pet is None or np.dtype(pet) == widest([eqn.invars[i].aval.dtype for i in floats]):
-        params["preferred_element_type"] = target
-    return checked_bind(eqn, [cast(x, target) if i in floats else x for i, x in enumerate(vals[:2])], params)
+    target = widest([dtype_of(vals[i]) for i in floats])
+    pet = eqn.params.get("preferred_element_type")
+    explicit = pet is not None and np.dtype(pet) != widest([eqn.invars[i].aval.dtype for i in floats])
+    (_, _), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = (cast(x, target) if i in floats else lax.convert_element_type(x, target)
+                for i, x in enumerate(vals[:2]))
+    lfree = [d for d in range(lhs.ndim) if d not in lb]
+    rfree = [d for d in range(rhs.ndim) if d not in rb]
+    lhs = lax.expand_dims(lax.transpose(lhs, (*lb, *lfree)), range(lhs.ndim, lhs.ndim + len(rfree)))  # [b, l, 1]
+    rhs = lax.expand_dims(lax.transpose(rhs, (*rb, *rfree)), range(len(lb), len(lb) + len(lfree)))  # [b, 1, r]
+    return [cast(lhs * rhs, np.dtype(pet) if explicit else target)]  # dot_general's order: batch, lhs, rhs
 
 
 def selection_rule(eqn, vals, mode: Mode, bounds=None, one_hot=(False, False)) -> list:

@@ -63,8 +63,9 @@ Casts and constants:
   a matmul: both operands take the other operand's dtype, as torch.amp's gather and embedding keep their input's (a
   float32 table's rows and CTC's loss stay float32); never FP8 (`autocast_rules.selection_rule`).
 * A `dot_general` that contracts nothing (`einsum("te,tec->tec", probs, mask)`, Flaxformer's MoE combine weights:
-  an elementwise or outer product, no GEMM) takes the widest rule, as torch.amp's `mul`
-  (`autocast_rules.product_rule`); the precision audit lists no row for it.
+  an elementwise or outer product, no GEMM) takes the widest rule, as torch.amp's `mul`, written as a broadcast
+  multiply (its gradient a multiply and a sum; `autocast_rules.product_rule`); the precision audit lists no row
+  for it.
 
 Control flow and calls, re-bound through JAX's public API, their inner jaxprs interpreted under the same rules:
 

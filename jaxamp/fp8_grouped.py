@@ -76,6 +76,9 @@ def _quantize_weights(w: jax.Array, recipe: Recipe):
 
 
 def _rows(x, ids, op):
+    """Each group's rows quantized with their own scale; the rows in no group (which `ragged_dot` skips) as zeros,
+    so a NaN there (padding) cannot reach the output through its scale."""
+    x = jnp.where((ids[0] < ids[1])[:, None], x, jnp.zeros((), x.dtype))
     return fp8_quant.quantize_grouped(x, ids[0], ids[1], op.dtype, power_of_2=op.power_of_2)
 
 

@@ -10,7 +10,8 @@ No amax history, no FP8 collection: each matmul quantizes its operands from thei
 Recipes (`RECIPES`; the quantizers are in `jaxamp.fp8_quant`), for `out = x @ w` with `x: bf16[..., m, k]` (lhs, the
 activation), `w: bf16[k, n]` (rhs, the weight) and output gradient `g: bf16[..., m, n]`:
 
-* `current` (and `current-pow2`, its scales rounded down to powers of 2): x and w e4m3, g e5m2, one scale per tensor
+* `current` (and `current-pow2`, its scales rounded up to powers of 2: TE's reciprocal scales rounded down): x and
+  w e4m3, g e5m2, one scale per tensor
   (per entry of a batched matmul's batch dims: each expert of an MoE, as TE's grouped GEMMs scale each expert).
   The backward reuses the forward's FP8 x and w (a transpose keeps a per-tensor scale) and quantizes g once for both
   dgrad (`g @ w.T`) and wgrad (`x.T @ g`).

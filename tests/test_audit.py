@@ -1069,8 +1069,13 @@ def test_a_router_found_by_its_top_k_and_grouped_matmuls_in_fp8_or_named():
     assert {r["lhs"] for r in block.rows if r["primitive"] == "ragged_dot_general"} == {"bfloat16"}
     assert grouped > 0.6 * sum(r["flops"] for r in block.rows)
     assert (f"; {grouped / 1e6:.1f} MFLOP of grouped matmuls (lax.ragged_dot) in the compute dtype: FP8 takes them "
-            "in ragged_dot's own form under per-tensor scaling (fp8-current) only") in block.summary(), block.summary()
+            "in ragged_dot's own form (lhs [m, k], rhs [groups, k, n]) under per-tensor scaling (fp8-current) "
+            "only") in block.summary(), block.summary()
     assert "grouped matmuls" not in bf16.summary()  # said only where FP8 was asked for
+    excluded = audit("fp8-current;fp8_exclude+=^w_(in|out)$")
+    assert {r["fp8_excluded_by"] for r in excluded.rows if r["primitive"] == "ragged_dot_general"} == {
+        "^w_(in|out)$"}
+    assert "grouped matmuls" not in excluded.summary() and "match no matmul" not in excluded.summary()
 
 
 def test_a_dot_general_that_contracts_nothing_is_no_matmul_and_a_mask_matmul_is_one_under_every_policy():
@@ -1078,7 +1083,8 @@ def test_a_dot_general_that_contracts_nothing_is_no_matmul_and_a_mask_matmul_is_
     with no contracting dims, an elementwise product. Autocast ran it as a bf16 matmul (float32 probabilities rounded:
     1.8e-3 off) and the audit counted it; now it keeps its operands' widest type, exact, and is no row. Its dispatch
     einsum contracts the tokens of a float32 input with a boolean mask: a GEMM, a row under fp32 (it was dropped as
-    an integer matmul there, so the two audits counted different FLOPs) as under autocast."""
+    an integer matmul there, so the two audits counted different FLOPs) as under autocast, and under the bf16 cast
+    policy a half-precision one (its floating operand bf16), not a float32 fall-back."""
     probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (8, 4)) * 3, axis=-1)  # f32[t, e]
     mask = jax.nn.one_hot(jnp.arange(8) % 4, 4, dtype=jnp.bool_)[:, :, None] & (jnp.arange(3) == 0)  # bool[t, e, c]
 
@@ -1094,7 +1100,7 @@ def test_a_dot_general_that_contracts_nothing_is_no_matmul_and_a_mask_matmul_is_
     params = {"w": jax.random.normal(jax.random.key(1), (16, 16)) * 0.1}
 
     def loss(p, batch, rng):
-        x = batch["x"] @ p["w"]  # f32[t, 16]
+        x = batch["x"].astype(p["w"].dtype) @ p["w"]  # f32[t, 16] (bf16 under the cast policy)
         with jax.numpy_dtype_promotion("standard"):
             weights = jnp.einsum("te,tec->tec", jax.nn.softmax(x[:, :4], axis=-1), batch["mask"])  # no contraction
             routed = jnp.einsum("tec,td->ecd", batch["mask"], x)  # contracts t: a GEMM with a boolean operand
@@ -1102,17 +1108,20 @@ def test_a_dot_general_that_contracts_nothing_is_no_matmul_and_a_mask_matmul_is_
 
     batch = {"x": jax.random.normal(jax.random.key(2), (8, 16)), "mask": mask}
     counts = {}
-    for policy in ("fp32", "bf16;autocast"):
+    for policy in ("fp32", "bf16;autocast", "bf16"):
         state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(),
                                   rng=jax.random.key(3))
         report = precision_audit(state, batch, loss)
         counts[policy] = sorted((r["source"].rsplit(":", 1)[1], r["pass"]) for r in report.rows)
         assert all(r["primitive"] == "dot_general" for r in report.rows)
+        if policy != "fp32":  # a bf16 activation beside a boolean mask runs in bf16: no float32 fall-back
+            assert report.half_fraction == 1.0 and not report.fallbacks, report.summary()
     line = inspect.getsourcelines(loss)[1]
     rows = [(str(line + 1), "forward"), (str(line + 1), "backward"),  # (its input is the batch: wgrad only)
-            (str(line + 3), "backward"),  # the product's transpose sums over c: a contraction, in both audits
             (str(line + 4), "forward"), (str(line + 4), "backward")]
-    assert counts["fp32"] == counts["bf16;autocast"] == sorted(rows), counts
+    product = [(str(line + 3), "backward")]  # where the product is a dot_general, its transpose contracts c
+    assert counts["fp32"] == counts["bf16"] == sorted(rows + product), counts
+    assert counts["bf16;autocast"] == sorted(rows), counts  # autocast's product is a multiply: a sum backward
     assert "kFLOP of matmuls" in report.summary(), report.summary()  # a toy's FLOPs, not "0.0 MFLOP"
 
 
@@ -1155,6 +1164,18 @@ def test_every_layers_router_is_named_by_one_pattern_and_the_mlp_gate_of_an_moe_
     assert audit(Stack("select"), f"bf16;autocast;float32_results+={pattern}").half_logits == ()
     fp8 = audit(Stack("select"), "fp8-current").logits_note()
     assert f"policy 'fp8-current;fp8_exclude+={pattern};float32_results+={pattern}' keeps them out" in fp8, fp8
+    unnamed = audit(Stack(None), "bf16;autocast").logits_note()  # Dense_0 in each layer, its FFN Dense_1 beside it
+    assert r"policy 'bf16;autocast;float32_results+=^layers_[0-9]+\.Dense_0\.kernel$' keeps" in unnamed, unnamed
+    sae = {"enc": jax.random.normal(jax.random.key(4), (16, 128)) * 0.1, "dec": jnp.zeros((128, 16))}
+
+    def sae_loss(p, b, rng):  # a TopK sparse autoencoder: its encoder's top_k picks features, it is no router
+        values, chosen = jax.lax.top_k(b["x"] @ p["enc"], 8)
+        code = jnp.zeros((32, 128)).at[jnp.arange(32)[:, None], chosen].set(jax.nn.relu(values))
+        return jnp.mean(jnp.square(code @ p["dec"] - b["x"]))
+
+    sae_report = precision_audit(TrainState.create(params=sae, tx=optax.sgd(0.1), policy="bf16;autocast",
+                                                   loss_scale=NoOpLossScale(), rng=jax.random.key(2)), batch, sae_loss)
+    assert [r["into"] for r in sae_report.half_logits if r["weight"] == "enc"] == [], sae_report.half_logits
     for name in ("mlp.gate", "block_sparse_moe.gate"):  # linen names nest: a module `mlp` holding `gate`
         class Named(nn.Module):
             @nn.compact

@@ -738,3 +738,28 @@ def test_an_moes_batched_expert_matmuls_run_in_fp8_and_its_router_does_not():
             state, metrics = STEP(state, make_batch(i % 2), loss)
         losses[spec] = float(metrics["loss"])
     assert abs(losses["fp8-current"] - losses["bf16;autocast"]) < 0.03 * losses["bf16;autocast"], losses
+
+
+def test_learned_queries_and_relative_position_terms_stay_out_of_fp8():
+    """Batched matmuls with a param operand that are attention, not experts (they ran in FP8 once batch dims were
+    allowed): a learned query broadcast onto the batch (DETR, a Perceiver; a copied param is an activation) against
+    the keys, and a per-head relative-position term `"bhld,hmd->bhlm"` (Music Transformer; its batch dim is not the
+    leading one on both operands, as an MoE's experts are)."""
+    params = {"query": jax.random.normal(jax.random.key(0), (4, 16)) * 0.1,
+              "rel": jax.random.normal(jax.random.key(1), (2, 8, 8)) * 0.1,
+              "wk": jax.random.normal(jax.random.key(2), (16, 16)) * 0.1}
+
+    def loss(p, batch, rng):
+        x = batch["x"]  # f32[batch, 8, 16]
+        keys = x @ p["wk"]  # a weight matmul: FP8
+        query = jnp.broadcast_to(p["query"], (x.shape[0], 4, 16))
+        scores = jnp.einsum("bqd,bkd->bqk", query, keys)  # learned queries x keys
+        q = x.reshape(x.shape[0], 8, 2, 8).transpose(0, 2, 1, 3)  # [batch, heads, len, head_dim]
+        rel = jnp.einsum("bhld,hmd->bhlm", q, p["rel"])  # per-head relative-position logits
+        return jnp.mean(jax.nn.logsumexp(scores, -1)) + jnp.mean(jax.nn.logsumexp(rel, -1))
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="fp8-current", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(3))
+    rows = precision_audit(state, {"x": jax.random.normal(jax.random.key(4), (2, 8, 16))}, loss).rows
+    forward = sorted((r["weight"] or "-", r["lhs"]) for r in rows if r["pass"] == "forward")
+    assert forward == [("-", "bfloat16"), ("rel", "bfloat16"), ("wk", "float8_e4m3fn")], forward

@@ -126,3 +126,17 @@ def test_an_moe_written_with_ragged_dot_trains_in_fp8_beside_bf16_in_one_trace()
         losses[spec] = float(metrics["loss"])
     assert losses["bf16;autocast"] < 1.2  # it learns (ln 4 = 1.39 at the start)
     assert abs(losses["fp8-current"] - losses["bf16;autocast"]) < 0.03 * losses["bf16;autocast"], losses
+
+
+def test_a_non_finite_row_in_no_group_stays_out_of_the_result():
+    """Rows past the groups (padding) are skipped by `ragged_dot`: a NaN or inf there gave every output row a NaN
+    through that row's own scale (0 x NaN); now the result and gradients equal those with the row zeroed. A NaN
+    inside a group still reaches the loss scale's finite check."""
+    x, w, g = operands()
+    f = jax.jit(functools.partial(value_and_grads, lambda x, w: fp8_ragged_dot(x, w, SIZES, compute_dtype=jnp.float32)))
+    clean = f(x, w, g)
+    for bad in (jnp.nan, jnp.inf):
+        for a, b in zip(f(x.at[38].set(bad), w, g.at[37].set(bad)), clean):
+            assert jnp.array_equal(a, b)
+    inside = f(x.at[3].set(jnp.nan), w, g)
+    assert not bool(jnp.all(jnp.isfinite(inside[0][:10])))
