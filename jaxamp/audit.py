@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import source_info_util
 
-from jaxamp.autocast_rules import exclusion_names, weight_path
+from jaxamp.autocast_rules import contracts_nothing, exclusion_names, weight_path
 from jaxamp.autocasting import FLOAT32_RESULTS
 from jaxamp.fp8_recipes import FP8_EXCLUDE, FP8_SCOPE
 from jaxamp.gradients import check_loss_args, gradients
@@ -207,12 +207,6 @@ def _pass(eqn, inside_backward: bool = False) -> str:
     return "backward" if inside_backward or transposed else "forward"
 
 
-def _contracts_nothing(eqn) -> bool:
-    """A `dot_general` without contracting dims (`einsum("te,tec->tec")`): an elementwise or outer product, which
-    autocast leaves in its operands' widest type."""
-    return eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][0][0]
-
-
 def _matmul_flops(eqn) -> int:
     out = eqn.outvars[0].aval
     if eqn.primitive.name == "dot_general":
@@ -307,7 +301,7 @@ class _Walk:
             self.passes[id(eqn)] = _pass(eqn, self.backward)
             name = eqn.primitive.name
             if name in _MATMULS and any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.invars[:2]) \
-                    and not _contracts_nothing(eqn):
+                    and not contracts_nothing(eqn):
                 # (an integer matmul, BigBird's mask einsums, is no GEMM here; a float one beside a boolean mask, a
                 # dispatch einsum, is; and a dot_general that contracts nothing is an elementwise product)
                 self._matmul(eqn, trips, compute_half)

@@ -41,6 +41,7 @@ __all__ = [
     "AutocastError",
     "Mode",
     "WEIGHT_SCOPE",
+    "contracts_nothing",
     "exclusion_names",
     "frame_names",
     "scope_names",
@@ -321,7 +322,7 @@ def matmul_rule(eqn, vals, mode: Mode, bounds=None) -> list:
     operands and a low-precision result dtype become float32, and `precision` becomes HIGHEST.
     """
     n = 2  # lhs, rhs; ragged_dot_general's third operand is the int32 group sizes
-    if eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][0][0] and not mode.reference:
+    if contracts_nothing(eqn) and not mode.reference:
         return product_rule(eqn, vals, mode, bounds)
     orig = [eqn.invars[i].aval.dtype for i in range(n)]
     floats = [dtype_of(x) in ELIGIBLE or (mode.reference and is_low_float(dtype_of(x))) for x in vals[:n]]
@@ -400,19 +401,20 @@ def fp8_applies(eqn, mode: Mode) -> bool:
     if mode.fp8 is None or eqn.primitive.name not in ("dot_general", "ragged_dot_general"):
         return False
     scopes = scope_names(eqn)
-    if eqn.primitive.name == "ragged_dot_general":  # an MoE's grouped experts: lax.ragged_dot's own form only
-        return (fp8_grouped.is_ragged_dot(eqn.params["ragged_dot_dimension_numbers"])
-                and eqn.params.get("group_offset") is None and eqn.invars[0].aval.ndim == 2
-                and fp8_grouped.takes_recipe(mode.fp8) and not (mode.named_params and not weight_path(scopes))
-                and not any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn, scopes)))
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    if not weight_path(scopes) if mode.named_params else lb:
+    if mode.named_params and not weight_path(scopes):
         return False
-    if tuple(lb) != tuple(range(len(lb))) or tuple(rb) != tuple(range(len(rb))):
-        return False  # experts first on both sides (`"egcd,edf"`, a vmap over experts): not per-head position terms
-    if any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn, scopes)):
+    ragged = eqn.primitive.name == "ragged_dot_general"
+    if ragged:  # an MoE's grouped experts: lax.ragged_dot's own form only
+        takes = (fp8_grouped.is_ragged_dot(eqn.params["ragged_dot_dimension_numbers"])
+                 and eqn.params.get("group_offset") is None and eqn.invars[0].aval.ndim == 2
+                 and fp8_grouped.takes_recipe(mode.fp8))
+    else:  # batch dims: experts first on both sides (`"egcd,edf"`, a vmap over experts), not per-head terms
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        takes = (mode.named_params or not lb) and tuple(lb) == tuple(range(len(lb))) \
+            and tuple(rb) == tuple(range(len(rb)))
+    if not takes or any(p.search(name) for p in mode.fp8_exclude for name in exclusion_names(eqn, scopes)):
         return False
-    if mode.fp8.multiple is None:
+    if ragged or mode.fp8.multiple is None:
         return True
     lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
     k = int(np.prod([lhs[d] for d in lc]))
@@ -550,6 +552,12 @@ def selects(eqn, one_hot: Sequence[bool]) -> list[bool]:
     (lc, rc), _ = eqn.params["dimension_numbers"]
     return [hot and (var.aval.ndim - 1) in contracting
             for hot, var, contracting in zip(one_hot, eqn.invars[:2], (lc, rc))]
+
+
+def contracts_nothing(eqn) -> bool:
+    """A `dot_general` without contracting dims (`einsum("te,tec->tec")`): an elementwise or outer product, no GEMM:
+    `product_rule` runs it, and the precision audit lists no row for it."""
+    return eqn.primitive.name == "dot_general" and not eqn.params["dimension_numbers"][0][0]
 
 
 def product_rule(eqn, vals, mode: Mode, bounds=None) -> list:

@@ -105,6 +105,18 @@ def linen_setup(policy, rows=512):
 
 
 @pytest.mark.slow
+def classifier_audit(net: nn.Module, batch: dict, policy: str):
+    """The precision audit of one step of the linen classifier `net` on `batch` (`x`, integer labels `y`: softmax
+    cross-entropy) under `policy`."""
+    params = net.init(jax.random.key(0), batch["x"])["params"]
+
+    def loss(p, b, rng):
+        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, b["x"]), b["y"]).mean()
+
+    return precision_audit(TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy,
+                                             loss_scale=NoOpLossScale(), rng=jax.random.key(1)), batch, loss)
+
+
 def test_half_precision_bias_sums_past_the_format_limit_are_listed_and_warned_once_per_compilation():
     state, batch, loss_fn = linen_setup("bf16", rows=512)
     report = precision_audit(state, batch, loss_fn)
@@ -662,16 +674,8 @@ def test_a_convolution_head_is_found_and_the_suggested_policy_makes_its_logits_f
         def __call__(self, x):
             return nn.Conv(5, (1, 1), name="seg_out")(nn.relu(nn.Conv(8, (3, 3))(x)))  # f32[batch, h, w, 5]
 
-    net = Seg()
     batch = {"x": jax.random.normal(jax.random.key(2), (2, 8, 8, 3)), "y": jnp.zeros((2, 8, 8), jnp.int32)}
-    params = net.init(jax.random.key(0), batch["x"])["params"]
-
-    def loss(p, b, rng):
-        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, b["x"]), b["y"]).mean()
-
-    def audit(policy):
-        return precision_audit(TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy,
-                                                 loss_scale=NoOpLossScale(), rng=jax.random.key(1)), batch, loss)
+    audit = functools.partial(classifier_audit, Seg(), batch)
 
     found = audit("bf16;autocast")
     assert [(r["weight"], r["primitive"], r["out"]) for r in found.half_logits] == [
@@ -1034,16 +1038,8 @@ def test_a_router_found_by_its_top_k_and_grouped_matmuls_in_fp8_or_named():
     summary says they keep the compute dtype, rather than leaving 80% of the FLOPs in bf16 without a word. A
     ragged_dot's weight gradient (each group over its own rows) counts the FLOPs of one forward, not groups times
     more."""
-    net = RaggedMoE()
     batch = {"x": jax.random.normal(jax.random.key(1), (32, 16)), "y": jnp.arange(32) % 8}
-    params = net.init(jax.random.key(0), batch["x"])["params"]
-
-    def loss(p, b, rng):
-        return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, b["x"]), b["y"]).mean()
-
-    def audit(policy):
-        return precision_audit(TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy,
-                                                 loss_scale=NoOpLossScale(), rng=jax.random.key(2)), batch, loss)
+    audit = functools.partial(classifier_audit, RaggedMoE(), batch)
 
     line = inspect.getsourcelines(RaggedMoE.__call__)[1] + 2
     bf16 = audit("bf16;autocast")
@@ -1149,13 +1145,7 @@ def test_every_layers_router_is_named_by_one_pattern_and_the_mlp_gate_of_an_moe_
     batch = {"x": jax.random.normal(jax.random.key(1), (32, 16)), "y": jnp.arange(32) % 8}
 
     def audit(net, policy):
-        params = net.init(jax.random.key(0), batch["x"])["params"]
-
-        def loss(p, b, rng):
-            return optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, b["x"]), b["y"]).mean()
-
-        return precision_audit(TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy,
-                                                 loss_scale=NoOpLossScale(), rng=jax.random.key(2)), batch, loss)
+        return classifier_audit(net, batch, policy)
 
     pattern = r"^layers_[0-9]+\.select\.kernel$"
     note = audit(Stack("select"), "bf16;autocast").logits_note()

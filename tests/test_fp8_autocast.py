@@ -470,13 +470,15 @@ def test_fp8_current_skips_accumulates_and_traces_once_with_no_special_rule():
     assert bool(metrics["grads_finite"]) and int(accumulated.step) == int(state.step) + 1
 
 
+def final_loss(state, loss, steps: int = 5) -> float:
+    """The loss of the last of `steps` steps on `make_batch`'s two batches in turn."""
+    for i in range(steps):
+        state, metrics = STEP(state, make_batch(i % 2), loss)
+    return float(metrics["loss"])
+
+
 def test_the_fp8_loss_tracks_bf16():
-    losses = {}
-    for spec in ("bf16;autocast", "fp8-current", "fp8-block"):
-        state = make_state(spec)
-        for i in range(5):
-            state, metrics = STEP(state, make_batch(i % 2), loss_fn)
-        losses[spec] = float(metrics["loss"])
+    losses = {spec: final_loss(make_state(spec), loss_fn) for spec in ("bf16;autocast", "fp8-current", "fp8-block")}
     for spec in ("fp8-current", "fp8-block"):
         assert abs(losses[spec] - losses["bf16;autocast"]) < 0.03 * losses["bf16;autocast"], losses
 
@@ -731,12 +733,7 @@ def test_an_moes_batched_expert_matmuls_run_in_fp8_and_its_router_does_not():
     assert 0.85 < report.fp8_fraction < 0.95, report.summary()  # the experts' FLOPs
     assert "kept out of FP8 by fp8_exclude (router, head)" in report.summary(), report.summary()
     assert "softmax" not in report.summary(), report.summary()  # no router left for the audit to warn of
-    losses = {}
-    for spec in ("bf16;autocast", "fp8-current"):
-        state = state_for(spec)
-        for i in range(5):
-            state, metrics = STEP(state, make_batch(i % 2), loss)
-        losses[spec] = float(metrics["loss"])
+    losses = {spec: final_loss(state_for(spec), loss) for spec in ("bf16;autocast", "fp8-current")}
     assert abs(losses["fp8-current"] - losses["bf16;autocast"]) < 0.03 * losses["bf16;autocast"], losses
 
 
