@@ -1183,3 +1183,76 @@ def test_every_layers_router_is_named_by_one_pattern_and_the_mlp_gate_of_an_moe_
         router = [r for r in report.rows if r["weight"].endswith("gate.kernel") and r["pass"] == "forward"]
         assert [(r["lhs"], r["out"], r["fp8_excluded_by"]) for r in router] == [
             ("bfloat16", "float32", r"(^|\.)(mlp|moe|block_sparse_moe)\.gate$")], router
+
+
+def vq_loss(p, b, rng, search=lambda d: jnp.argmax(-d, 1)):
+    """A VQ-VAE's loss as Haiku's `hk.nets.VectorQuantizer` computes it: distances to every code
+    `|x|^2 - 2 x.E + |E|^2`, the nearest code by `argmax(-distances)` (MaskGIT's VQGAN: `argmin(distances)`), a
+    straight-through estimator and the codebook loss."""
+    x = b["x"] @ p["enc"]  # f32[n, 64]
+    distances = (jnp.sum(x ** 2, 1, keepdims=True) - 2 * x @ p["codebook"]
+                 + jnp.sum(p["codebook"] ** 2, 0, keepdims=True))  # f32[n, codes]
+    q = p["codebook"].T[search(distances)]  # f32[n, 64]: the nearest codes
+    decoded = (x + jax.lax.stop_gradient(q - x)) @ p["dec"]
+    return jnp.mean((decoded - b["x"]) ** 2) + jnp.mean((q - jax.lax.stop_gradient(x)) ** 2)
+
+
+def test_a_codebook_search_into_an_argmax_or_argmin_is_named_and_the_policy_it_gives_keeps_the_codes():
+    """A VQ codebook's distance matmul feeds only an argmax (argmin): no softmax or loss finds it, and under
+    `fp8-current` its e4m3 distances pick another code for 6.0% of 4,096 inputs (bf16 results: 0.9%). The audit
+    names it with the policy that keeps it out of FP8 and its result float32; under that policy 0.4% of the codes
+    differ from float32's (bf16 operands: near-ties). A classifier's accuracy argmax leaves its head a softmax's."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {"enc": jax.random.normal(keys[0], (32, 64)) / 6, "codebook": jax.random.normal(keys[1], (64, 1024)),
+              "dec": jax.random.normal(keys[2], (64, 32)) / 8}
+    batch = {"x": jax.random.normal(keys[3], (4096, 32))}
+
+    def audit(policy, loss=vq_loss):
+        return precision_audit(TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy,
+                                                 loss_scale=NoOpLossScale(), rng=jax.random.key(1)), batch, loss)
+
+    line = inspect.getsourcelines(vq_loss)[1] + 5
+    bf16 = audit("bf16;autocast")
+    assert [(r["weight"], r["into"]) for r in bf16.half_logits] == [("codebook", "argmax")], bf16.half_logits
+    assert (f"the search over codebook at test_audit.py:{line} writes bfloat16 scores into an argmax (a "
+            "nearest-neighbour search, such as a VQ codebook's, no pattern names: its pick changes where two entries "
+            "score within the format's rounding): policy 'bf16;autocast;float32_results+=^codebook$' keeps them "
+            "float32") in bf16.summary(), bf16.summary()
+    kept = audit("bf16;autocast;float32_results+=^codebook$")
+    assert kept.half_logits == () and [(r["lhs"], r["out"]) for r in kept.rows if r["weight"] == "codebook"] == [
+        ("bfloat16", "float32")]  # (the search has no gradient: no backward row)
+    argmin = audit("bf16;autocast", functools.partial(vq_loss, search=lambda d: jnp.argmin(d, -1)))
+    assert "the search over codebook at" in argmin.summary() and "bfloat16 distances into an argmin" in \
+        argmin.summary(), argmin.summary()
+    fp8 = audit("fp8-current")
+    assert "the search over codebook at" in fp8.summary() and "runs in FP8 into an argmax" in fp8.summary()
+    suggested = "fp8-current;fp8_exclude+=^codebook$;float32_results+=^codebook$"
+    assert f"policy '{suggested}' keeps it out" in fp8.summary(), fp8.summary()
+    assert [(r["lhs"], r["out"], r["fp8_excluded_by"]) for r in audit(suggested).rows if r["weight"] == "codebook"
+            ] == [("bfloat16", "float32", "^codebook$")]
+
+    def codes(p, x):
+        return jnp.argmax(-(jnp.sum(x ** 2, 1, keepdims=True) - 2 * x @ p["codebook"]
+                            + jnp.sum(p["codebook"] ** 2, 0, keepdims=True)), 1)
+
+    x = batch["x"] @ params["enc"]
+    exact = codes(params, x)
+    with jax.numpy_dtype_promotion("standard"):
+        flipped = {name: float(jnp.mean(jaxamp.autocast(codes, "bf16", **kw)(params, x) != exact))
+                   for name, kw in [("fp8", {"fp8": "current"}), ("bf16", {}),
+                                    ("kept", {"fp8": "current", "fp8_exclude": ["^codebook$"],
+                                              "float32_results": ["^codebook$"]})]}
+    assert flipped["fp8"] > 0.05 and flipped["kept"] < 0.01 and flipped["kept"] < flipped["bf16"], flipped
+
+    net = nn.Dense(10)
+    head = {"params": net.init(jax.random.key(2), jnp.ones((1, 32)))["params"]}
+
+    def classify(p, b, rng):  # the loss's softmax and an accuracy's argmax take the same logits
+        logits = net.apply(p, b["x"])
+        labels = jnp.arange(b["x"].shape[0]) % 10
+        accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean() + 0 * accuracy
+
+    report = precision_audit(TrainState.create(params=head, tx=optax.sgd(0.1), policy="bf16;autocast;"
+                             "float32_results=", loss_scale=NoOpLossScale(), rng=jax.random.key(1)), batch, classify)
+    assert [r["into"] for r in report.half_logits] == ["softmax"], report.half_logits  # (bf16 logits asked for)
