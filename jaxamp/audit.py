@@ -332,7 +332,9 @@ class _Walk:
             for outer, inner in zip(eqn.outvars, sub.outvars):
                 if _is_var(inner):
                     self.consumers.setdefault(("exit", id(inner)), []).append(outer)
-        for outer, inner in zip(eqn.invars[len(eqn.invars) - len(sub.invars):], sub.invars):
+        pairs = [(o, i) for o, i, _ in _inputs(eqn, sub)] if eqn.primitive.name == "while" else \
+            zip(eqn.invars[len(eqn.invars) - len(sub.invars):], sub.invars)  # (a while's cond skips the body's consts)
+        for outer, inner in pairs:
             if _is_var(outer):
                 self.consumers.setdefault(("enter", id(outer)), []).append(inner)
 

@@ -1256,3 +1256,31 @@ def test_a_codebook_search_into_an_argmax_or_argmin_is_named_and_the_policy_it_g
     report = precision_audit(TrainState.create(params=head, tx=optax.sgd(0.1), policy="bf16;autocast;"
                              "float32_results=", loss_scale=NoOpLossScale(), rng=jax.random.key(1)), batch, classify)
     assert [r["into"] for r in report.half_logits] == ["softmax"], report.half_logits  # (bf16 logits asked for)
+
+
+def test_a_while_loops_cond_takes_its_own_consts_not_the_bodys():
+    """A `while_loop` takes its cond's consts, then its body's, then the carry: the cond's inputs are the first and
+    the last of those. The audit linked the cond's inputs to the operands' tail, so the body's last const `h`
+    stood for the cond's const `t` and `h` was called an output head writing logits into the cond's softmax."""
+    def loss(p, b, rng):
+        h = b["x"] @ b["m"]  # f32[8, 16], an input of the step x another: a candidate head, not one
+        g = b["x"] @ b["n"]  # f32[8, 16]: into a softmax inside the body
+
+        def cond(c):
+            return (jax.nn.softmax(b["t"])[0] < 0.9) & (c[0] < 3)  # the cond's const: t
+
+        def body(c):  # the body's consts: g, h
+            return c[0] + 1, c[1] + jax.nn.softmax(g) + jnp.tanh(h)
+
+        _, acc = jax.lax.while_loop(cond, body, (0, jnp.zeros((8, 16))))  # (no gradient through it)
+        return jnp.mean(acc * (b["x"] @ p["u"]))
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    batch = {"x": jax.random.normal(keys[0], (8, 32)), "m": jax.random.normal(keys[1], (32, 16)),
+             "n": jax.random.normal(keys[2], (32, 16)), "t": jnp.arange(16.0)}
+    state = TrainState.create(params={"u": jax.random.normal(keys[3], (32, 16))}, tx=optax.sgd(0.1),
+                              policy="bf16;autocast", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+    report = precision_audit(state, batch, loss)
+    line = inspect.getsourcelines(loss)[1] + 2  # g's
+    assert [(r["source"], r["into"]) for r in report.half_logits] == [(f"test_audit.py:{line}", "softmax")], \
+        report.half_logits
