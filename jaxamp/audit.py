@@ -282,7 +282,7 @@ class _Walk:
     sums: list = dataclasses.field(default_factory=list)
     producer: dict = dataclasses.field(default_factory=dict)
     # id(var) -> the equations that take it; ("enter", id(var)) -> the call bodies' inputs it becomes; ("exit",
-    # id(inner output)) -> the call's outputs it becomes
+    # id(inner output)) -> the call's outputs it becomes; ("loop", id(body output)) -> the body input it is next trip
     consumers: dict = dataclasses.field(default_factory=dict)
     first_fallback: Any = None
     backward: bool = False  # visiting the body of a backward (transposed) scan, while or call
@@ -327,7 +327,7 @@ class _Walk:
     def _link(self, eqn, sub) -> None:
         """`consumers`' links between `eqn`'s operands and results and the inputs and outputs of its sub-program
         `sub` where they line up one to one (calls; scan: consts, carry, xs -> carry, ys; while's body; cond's
-        branches, the index aside)."""
+        branches, the index aside), and a loop body's carries out to its carries in (`"loop"`: the next trip)."""
         if len(sub.outvars) == len(eqn.outvars):
             for outer, inner in zip(eqn.outvars, sub.outvars):
                 if _is_var(inner):
@@ -337,6 +337,16 @@ class _Walk:
         for outer, inner in pairs:
             if _is_var(outer):
                 self.consumers.setdefault(("enter", id(outer)), []).append(inner)
+        params, name = eqn.params, eqn.primitive.name
+        if name == "scan" and "num_carry" in params and sub is getattr(params["jaxpr"], "jaxpr", None):
+            first, count = params["num_consts"], params["num_carry"]  # (a carry's next trip: a scanned layer's input)
+        elif name == "while" and sub is getattr(params["body_jaxpr"], "jaxpr", None):
+            first, count = params["body_nconsts"], len(sub.outvars)
+        else:
+            return
+        for out, nxt in zip(sub.outvars[:count], sub.invars[first:first + count]):
+            if _is_var(out):
+                self.consumers.setdefault(("loop", id(out)), []).append(nxt)
 
     def where(self, eqn) -> tuple[str, str, str]:
         """`(source, library, callers)` of `eqn` (`_where`, `_callers`). The body of a nested jit, a scan, a loop
@@ -609,7 +619,8 @@ class _Walk:
     def feeds_matmul(self, var, limit: int = 4096) -> bool:
         """Whether `var` (a forward value) reaches another forward matmul or convolution, through the forward ops
         after it (and call, loop and cond boundaries); not, it reaches the loss as an output layer's result does (a
-        regression or value head's: no softmax to find it by). True where the walk passes `limit` variables."""
+        regression or value head's: no softmax to find it by; a scanned layer's output feeds the next trip's matmuls).
+        True where the walk passes `limit` variables."""
         seen, frontier = set(), [var]
         while frontier:
             v = frontier.pop()
@@ -618,7 +629,7 @@ class _Walk:
             seen.add(id(v))
             if len(seen) > limit:
                 return True
-            frontier += [w for key in ("enter", "exit") for w in self.consumers.get((key, id(v)), [])]
+            frontier += [w for key in ("enter", "exit", "loop") for w in self.consumers.get((key, id(v)), [])]
             for eqn in self.consumers.get(id(v), []):
                 if self.passes.get(id(eqn)) != "forward":
                     continue

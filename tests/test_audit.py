@@ -1284,3 +1284,31 @@ def test_a_while_loops_cond_takes_its_own_consts_not_the_bodys():
     line = inspect.getsourcelines(loss)[1] + 2  # g's
     assert [(r["source"], r["into"]) for r in report.half_logits] == [(f"test_audit.py:{line}", "softmax")], \
         report.half_logits
+
+
+def test_a_scanned_stack_without_a_head_is_no_output_layer():
+    """`nn.scan` over residual MLP blocks, the loss on the stack's output: each block's output matmul feeds the next
+    trip's. The audit called it an output layer (the carry's way back into the body was not followed) and its policy
+    kept half the stack's matmuls out of FP8; a head after the stack is still found."""
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + nn.Dense(64)(nn.gelu(nn.Dense(64)(x))), None
+
+    class Net(nn.Module):
+        head: bool
+
+        @nn.compact
+        def __call__(self, x):  # f32[16, 64]
+            x, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)()(x, None)
+            return nn.Dense(1)(x) if self.head else x
+
+    x = jax.random.normal(jax.random.key(0), (16, 64))
+    for head, found in ((False, []), (True, [("Dense_0.kernel", "the loss through no other matmul")])):
+        net = Net(head)
+        state = TrainState.create(params=net.init(jax.random.key(1), x)["params"], tx=optax.sgd(0.1),
+                                  policy="fp8-current", loss_scale=NoOpLossScale(), rng=jax.random.key(2))
+        report = precision_audit(state, {"x": x},
+                                 lambda p, b, r, net=net: jnp.mean(net.apply({"params": p}, b["x"]) ** 2))
+        assert [(r["weight"], r["into"]) for r in report.half_logits] == found, report.summary()
+        assert report.fp8_fraction == 1.0
