@@ -18,16 +18,20 @@
 #                 seq 1024; random tokens, or $JAXAMP_DATA's                           -> gpu_throughput.{md,json}
 #   3 xl          the same at --model gpt2-xl, batch 8, scanned, --remat elementwise   -> gpu_throughput_xl.{md,json}
 #   4 paired      benchmarks/gpu_paired.py, fp16 against bf16 interleaved in one process -> gpu_paired.md
-#   5 profile     benchmarks/gpu_profile.py, kernel time by kind (default: 124M, bf16 and fp8-current-pow2;
+#   5 moe         benchmarks/gpu_moe.py: an MoE layer's step (experts as batched einsums and as lax.ragged_dot;
+#                 4,096 tokens, width 1024, 8 experts of 4096) per policy against bf16 autocast, interleaved
+#                 (not yet run on a GPU; deviceless, XLA expands ragged_dot 7.96x)           -> gpu_moe.md
+#   6 profile     benchmarks/gpu_profile.py, kernel time by kind (default: 124M, bf16 and fp8-current-pow2;
 #                 GPU_CHECK_PROFILE_ARGS replaces its flags, e.g. "--model gpt2-xl --batch-size 8 --scan-layers
 #                 --remat elementwise --steps 2 --precisions bf16 fp8-current-pow2")  -> gpu_profile.md
-# Every stage's output also goes to OUTDIR/check.log (8 files in all: the device tool returns at most 8).
+# Every stage's output also goes to OUTDIR/check.log (8 files with every stage but moe, 9 with all: the device tool
+# returns at most 8).
 # GPU_CHECK_PRECISIONS picks the throughput rows (default: bf16 fp8-current fp8-current-pow2 fp8, the rows issue 23
 # measures; any of gpu_throughput.py's, e.g. "bf16 bf16-autocast bf16-autocast-bf16-logits" for issue 21: what
 # autocast's float32 logits cost against torch.amp's bf16 ones), GPU_CHECK_XL_PRECISIONS the xl rows
 # (default: bf16 fp8-current fp8-current-pow2 fp8-moments), GPU_CHECK_XL_LAYOUT their layout flags (default:
 # --scan-layers --remat elementwise; "" runs unrolled, as on 12-04: bf16 216 ms/step on an H200) and GPU_CHECK_STAGES
-# the stages (default: tests throughput xl; paired and profile when asked). With little device time left, measure
+# the stages (default: tests throughput xl; paired, moe and profile when asked). With little device time left, measure
 # what is new first, e.g.
 #   GPU_CHECK_STAGES=throughput GPU_CHECK_PRECISIONS="bf16 fp8-current-pow2" benchmarks/gpu_check.sh
 # Before a GPU session, benchmarks/gpu_compile.py (no GPU needed: XLA:GPU compiles for an H200 deviceless) shows
@@ -91,12 +95,14 @@ if [[ $DRY == 1 ]]; then
   XL=(--tiny --steps 1 --warmup 0 --scan-layers --remat elementwise)
   PROFILE=(--tiny --steps 1 --warmup 0 --precisions fp16)
   PAIRED=(--tiny --rounds 2 --steps 1 --warmup 0)
+  MOE=(--tokens 128 --width 32 --hidden 64 --experts 4 --capacity 64 --rounds 2 --steps 1 --warmup 0)
 else
   SIZE=(--model gpt2-124m --batch-size 32 --steps 10 --warmup 3)
   read -r -a LAYOUT <<<"${GPU_CHECK_XL_LAYOUT---scan-layers --remat elementwise}"
   XL=(--model gpt2-xl --batch-size 8 --steps 5 --warmup 2 ${LAYOUT[@]+"${LAYOUT[@]}"})
   read -r -a PROFILE <<<"${GPU_CHECK_PROFILE_ARGS:---batch-size 32 --steps 3 --warmup 2 --precisions bf16 fp8-current-pow2}"
   PAIRED=(--batch-size 32 --rounds 8 --steps 5 --warmup 2)
+  MOE=(--rounds 5 --steps 10 --warmup 3)
 fi
 
 {
@@ -120,6 +126,7 @@ wanted xl && stage xl $((80 * ${#XL_PRECISIONS[@]} + 30)) $PY benchmarks/gpu_thr
   --precisions "${XL_PRECISIONS[@]}" --out "$OUTDIR/gpu_throughput_xl.md" --json "$OUTDIR/gpu_throughput_xl.json"
 wanted paired && stage paired 120 $PY benchmarks/gpu_paired.py "${PAIRED[@]}" --precisions bf16 fp16 \
   --out "$OUTDIR/gpu_paired.md"
+wanted moe && stage moe 240 $PY benchmarks/gpu_moe.py "${MOE[@]}" --out "$OUTDIR/gpu_moe.md"
 wanted profile && stage profile 150 $PY benchmarks/gpu_profile.py "${PROFILE[@]}" --out "$OUTDIR/gpu_profile.md"
 echo "gpu_check: results in $OUTDIR; exit $status"
 exit $status

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import source_info_util
 
-from jaxamp.autocast_rules import contracts_nothing, exclusion_names, weight_path
+from jaxamp.autocast_rules import contracts_nothing, exclusion_names, selects, weight_path
 from jaxamp.autocasting import FLOAT32_RESULTS
 from jaxamp.fp8_recipes import FP8_EXCLUDE, FP8_SCOPE
 from jaxamp.gradients import check_loss_args, gradients
@@ -94,6 +94,10 @@ _JAXAMP_APP = os.path.join(_JAXAMP, "lm", "")
 
 
 _JAX_DIRS = _package_dirs("jax", "jaxlib")
+# Library files whose frames wrap every module call (Haiku's `wrap_method`, linen's `_call_wrapped_method`): no
+# layer's name.
+_MODULE_WRAPPERS = (os.path.join("haiku", "_src", "module.py"), os.path.join("flax", "linen", "module.py"),
+                    os.path.join("flax", "core", ""))
 
 
 def _users_frame():
@@ -140,15 +144,17 @@ def _dtype(v) -> str:
 
 def _where(eqn) -> tuple[str, str]:
     """`(user's file:line, library frame or "")` of an equation: the innermost frame outside JAX and the libraries,
-    and the library's entry point the user called there (the outermost library frame inside it, e.g.
-    `flax/nnx/nn/normalization.py:BatchNorm.__call__`)."""
+    and the library's entry point the user called there (the outermost library frame inside it that is no module
+    wrapper, e.g. `flax/nnx/nn/normalization.py:BatchNorm.__call__`, `haiku/_src/nets/vqvae.py:VectorQuantizer.__call__`
+    rather than Haiku's `wrap_method.<locals>.wrapped`)."""
     library = ""
     for frame in source_info_util.user_frames(eqn.source_info.traceback):
         name = frame.file_name
         if _is_library(name):
-            short = ("jaxamp" + os.sep + name[len(_JAXAMP):] if name.startswith(_JAXAMP)
-                     else name.split(os.sep + "site-packages" + os.sep)[-1])
-            library = f"{short}:{frame.function_name}"
+            if not any(w in name for w in _MODULE_WRAPPERS):
+                short = ("jaxamp" + os.sep + name[len(_JAXAMP):] if name.startswith(_JAXAMP)
+                         else name.split(os.sep + "site-packages" + os.sep)[-1])
+                library = f"{short}:{frame.function_name}"
             continue
         return f"{_short_file(name)}:{frame.start_line}", library
     return library or "?", library  # no user frame (a backward op of library code): the library's entry point
@@ -372,7 +378,7 @@ class _Walk:
                "pass": _pass(eqn, self.backward),
                "shape": f"{list(eqn.invars[0].aval.shape)} x {list(eqn.invars[1].aval.shape)}",
                "scope": "/".join(_scope(names)), "callers": callers, "weight": weight_path(names),
-               "selection": not _half_operands(lhs, rhs) and any(self._one_hot(v, 8) for v in eqn.invars[:2])}
+               "selection": not _half_operands(lhs, rhs) and self._selects(eqn)}
         self.rows.append(row)
         self.eqns.append(eqn)
         self.names.append(names)
@@ -673,6 +679,17 @@ class _Walk:
             return compare is not None and compare.primitive.name == "eq" and any(
                 self._from_iota(v, 4) for v in compare.invars)
         return self._one_hot(maker.invars[0], depth - 1)
+
+    def _selects(self, eqn) -> bool:
+        """Whether a matmul selects with a one-hot operand (`_one_hot`): forward, contracted over its last (class)
+        axis, as `autocast_rules.selects` decides (`x.T @ one_hot(ids)`, VectorQuantizerEMA's codebook sums, is a
+        segment sum: a matmul like any other); backward, any (a selection's gradient sums over its rows)."""
+        if eqn.primitive.name != "dot_general":
+            return any(self._one_hot(v, 8) for v in eqn.invars[:2])
+        hot = [self._one_hot(v, 8) for v in eqn.invars[:2]]
+        if self.passes.get(id(eqn)) != "forward":
+            return any(hot)
+        return any(selects(eqn, hot))
 
     def _from_iota(self, var, depth: int) -> bool:
         maker = self.producer.get(id(var)) if _is_var(var) else None

@@ -45,6 +45,7 @@ __all__ = [
     "exclusion_names",
     "frame_names",
     "scope_names",
+    "selects",
     "weight_path",
 ]
 

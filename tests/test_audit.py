@@ -1312,3 +1312,30 @@ def test_a_scanned_stack_without_a_head_is_no_output_layer():
                                  lambda p, b, r, net=net: jnp.mean(net.apply({"params": p}, b["x"]) ** 2))
         assert [(r["weight"], r["into"]) for r in report.half_logits] == found, report.summary()
         assert report.fp8_fraction == 1.0
+
+
+def test_a_one_hot_segment_sum_is_a_matmul_in_every_policy_and_a_selection_is_not():
+    """`x.T @ one_hot(ids)` (VectorQuantizerEMA's per-code sums) contracts the one-hot's rows: autocast runs it as any
+    matmul, in bf16. The fp32 audit called it a selection (left out of the FLOPs: 59.2 against autocast's 59.5
+    MFLOP on a Haiku VQ-VAE), and the cast policy's float32 one hid as one. A lookup `one_hot(ids) @ table`, and its
+    gradient, stay selections."""
+    def loss(p, b, rng):
+        with jax.numpy_dtype_promotion("standard"):  # (user code: the cast policy mixes bf16 params and f32 inputs)
+            hot = jax.nn.one_hot(jnp.argmax(b["x"] @ p["codes"], -1), 64)  # f32[128, 64]
+            sums = b["x"].T @ hot  # f32[16, 64]: each code's inputs summed
+            picked = hot @ p["codes"].T  # f32[128, 16]: each input's code
+            return jnp.mean((picked - b["x"]) ** 2) + jnp.mean(jax.lax.stop_gradient(sums) * p["codes"])
+
+    params = {"codes": jax.random.normal(jax.random.key(0), (16, 64))}
+    batch = {"x": jax.random.normal(jax.random.key(1), (128, 16))}
+    reports = {policy: precision_audit(TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy,
+                                                         loss_scale=NoOpLossScale(), rng=jax.random.key(2)),
+                                       batch, loss) for policy in ("fp32", "bf16", "bf16;autocast")}
+    for policy, report in reports.items():
+        kinds = {(r["pass"], r["shape"]): r["selection"] for r in report.rows}
+        assert kinds == {("forward", "[128, 16] x [16, 64]"): False, ("forward", "[16, 128] x [128, 64]"): False,
+                         ("forward", "[128, 64] x [64, 16]"): True, ("backward", "[128, 16] x [128, 64]"): True}, \
+            (policy, kinds)
+    counted = {p: sum(r["flops"] for r in rep.rows if not r["selection"]) for p, rep in reports.items()}
+    assert counted["fp32"] == counted["bf16;autocast"] == 2 * 128 * 16 * 64 * 2, counted
+    assert "[16, 128] x [128, 64]" in [r["shape"] for r in reports["bf16"].fallbacks]  # (float32 inputs: no selection)

@@ -255,6 +255,27 @@ def test_gpu_compile_moe_for_an_h200_without_a_gpu(tmp_path):
 
 
 @pytest.mark.slow
+def test_gpu_check_moe_stage_times_both_forms_against_bf16_autocast(tmp_path):
+    """benchmarks/gpu_check.sh's opt-in moe stage (benchmarks/gpu_moe.py) as a CPU dry run: a row per form and
+    policy, bf16 autocast's speed-up 1.00x, the others' ratio and the audit's FP8 share (the ragged_dot experts in
+    FP8 under fp8-current, not under fp8-block)."""
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", str(tmp_path)], cwd=REPO,
+                          env={**FAST_ENV, "PYTHON": sys.executable, "GPU_CHECK_STAGES": "moe"},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {p.name for p in tmp_path.iterdir()} == {"env.txt", "check.log", "gpu_moe.md"}
+    rows = {(c[0], c[1]): c for c in ([x.strip() for x in line.strip("|").split("|")]
+                                       for line in (tmp_path / "gpu_moe.md").read_text().splitlines()
+                                       if line.startswith("| einsum") or line.startswith("| ragged_dot"))}
+    assert sorted(rows) == sorted((f, p) for f in ("einsum", "ragged_dot")
+                                  for p in ("bf16;autocast", "fp8-current", "fp8-current-pow2", "fp8-block")), rows
+    assert all(rows[(f, "bf16;autocast")][3] == "1.00x" for f in ("einsum", "ragged_dot")), rows
+    assert all(number(r[2]) > 0 and number(r[3]) > 0 for r in rows.values()), rows
+    assert number(rows[("ragged_dot", "fp8-current")][4]) > 50 > number(rows[("ragged_dot", "fp8-block")][4]), rows
+    assert number(rows[("einsum", "bf16;autocast")][4]) == 0, rows
+
+
+@pytest.mark.slow
 def test_gpu_throughput_tiny_autocast_fp8_recipes_and_bf16_moments(tmp_path):
     """The rows for the next GPU run: the LM under autocast, the stateless FP8 recipes, bf16 Adam moments (bf16's
     own row: test_gpu_throughput_tiny)."""
