@@ -30,7 +30,7 @@ from jaxamp.step import check_options
 PyTree = Any
 
 __all__ = ["NEAR_ZERO", "errors", "fidelity_report", "global_errors", "grad_fidelity", "gradient_pair", "near_zero",
-           "worst"]
+           "whole_error", "worst"]
 _F32 = jmp.Policy(jnp.float32, jnp.float32, jnp.float32)
 
 
@@ -246,3 +246,11 @@ def worst(errors: dict, k: int = 3, near_zero: dict | None = None) -> list[tuple
     skip = {name for name, flag in jax.device_get(near_zero or {}).items() if bool(flag)}
     host = {name: float(value) for name, value in jax.device_get(errors).items() if name not in skip}
     return sorted(host.items(), key=lambda kv: -kv[1])[:k]
+
+
+def whole_error(global_rel_err: dict) -> jax.Array:
+    """The whole gradient's error `||g - ref|| / ||ref||` over every leaf (f32[]), from `fidelity_report`'s
+    `global_rel_err` (each leaf's `||g_leaf - ref_leaf|| / ||ref||`: their squares add up); inf where a leaf is.
+    The "whole-gradient error" of the FP8 guide's tables. Jit-able."""
+    values = [jnp.asarray(v, jnp.float32) for v in jax.tree.leaves(global_rel_err)]
+    return jnp.sqrt(jnp.sum(jnp.square(jnp.stack(values)))) if values else jnp.float32(0.0)

@@ -407,3 +407,25 @@ def test_an_overflowed_gradient_reads_inf_with_a_warning_outside_jit():
         assert float(grad_fidelity(state(2.0**14), batch, loss_fn)["w"]) == 0.0
         jitted = jax.jit(grad_fidelity, static_argnames="loss_fn")(state(2.0**15), batch, loss_fn)
         assert float(jitted["w"]) == np.inf
+
+
+def test_whole_error_is_the_whole_gradients_relative_error():
+    """`whole_error` of `fidelity_report`'s `global_rel_err` equals `||g - g_f32|| / ||g_f32||` computed over the
+    concatenated leaves of `gradient_pair`; an empty report reads 0, a non-finite leaf inf."""
+    from jaxamp.fidelity import fidelity_report, gradient_pair, whole_error
+
+    params = {"a": jax.random.normal(jax.random.key(0), (64, 32)), "b": jnp.zeros((32,)),
+              "c": jax.random.normal(jax.random.key(1), (32, 8))}
+    batch = jax.random.normal(jax.random.key(2), (128, 64))
+
+    def loss(p, x, rng):
+        return jnp.mean(jnp.tanh(x @ p["a"] + p["b"]) @ p["c"])
+
+    state = TrainState.create(params=params, tx=optax.sgd(0.1), policy="bf16;autocast",
+                              loss_scale=NoOpLossScale(), rng=jax.random.key(3))
+    mixed, exact = gradient_pair(state, batch, loss)
+    flat = lambda tree: jnp.concatenate([x.ravel() for x in jax.tree.leaves(tree)])  # noqa: E731
+    expected = float(jnp.linalg.norm(flat(mixed) - flat(exact)) / jnp.linalg.norm(flat(exact)))
+    got = float(whole_error(fidelity_report(state, batch, loss)["global_rel_err"]))
+    assert 1e-4 < expected < 0.05 and got == pytest.approx(expected, rel=1e-5), (got, expected)
+    assert float(whole_error({})) == 0.0 and float(whole_error({"a": jnp.inf, "b": jnp.float32(0.1)})) == np.inf
