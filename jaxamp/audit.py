@@ -70,6 +70,9 @@ _DEQUANTIZE_OPS = ("convert_element_type", "mul", "div", "broadcast_in_dim", "re
 # (`jax.nn.one_hot`'s) on its way to a matmul, forward or backward; a param cast by the policy (`from_input`).
 _SHAPE_AND_CAST_OPS = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy",
                        "convert_element_type")
+# The ops between a scanned weight slice and the matmul that takes it: casts, shape ops, an FP8 quantization's scale
+# and clip.
+_SLICE_PATH = (*_SHAPE_AND_CAST_OPS, "mul", "div", "clamp", "max", "min", "round", "reduce_precision")
 # The ops of a softplus (`logaddexp(x, 0)`) and of the log-sigmoid around it, up to what a loss does next.
 _SOFTPLUS_OPS = ("neg", "add", "sub", "max", "abs", "exp", "log1p", "select_n", "convert_element_type",
                  "broadcast_in_dim", "reshape")
@@ -297,6 +300,7 @@ class _Walk:
     calls: tuple = ()
     held_by: dict = dataclasses.field(default_factory=dict)  # id(equation) -> the `calls` it was visited in
     passes: dict = dataclasses.field(default_factory=dict)  # id(equation) -> "forward" or "backward"
+    sliced: set = dataclasses.field(default_factory=set)  # id(var): a scan body's per-trip input (an xs slice)
 
     def visit(self, jaxpr, trips: int, compute_half: bool) -> None:
         for eqn in jaxpr.eqns:
@@ -353,6 +357,8 @@ class _Walk:
         for out, nxt in zip(sub.outvars[:count], sub.invars[first:first + count]):
             if _is_var(out):
                 self.consumers.setdefault(("loop", id(out)), []).append(nxt)
+        if name == "scan":  # a scan's xs: a slice per trip (a scanned stack's layer weights)
+            self.sliced.update(id(v) for v in sub.invars[first + count:])
 
     def where(self, eqn) -> tuple[str, str, str]:
         """`(source, library, callers)` of `eqn` (`_where`, `_callers`). The body of a nested jit, a scan, a loop
@@ -431,6 +437,28 @@ class _Walk:
                         e.invars[0].aval.shape[a] in sizes for a in e.params["axes"])):
                     return e.primitive.name
         return ""
+
+    def only_searched(self, var, limit: int = 256) -> bool:
+        """Whether every forward use of `var` ends in an `argmin` / `argmax` through elementwise and shape ops
+        (`_LOGIT_PATH`) and call boundaries: a search's scores, which nothing else (the loss, another layer, an
+        `exp`) takes. False past `limit` values."""
+        seen, frontier = set(), [var]
+        while frontier:
+            v = frontier.pop()
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            if len(seen) > limit:
+                return False
+            frontier += [w for key in ("enter", "exit") for w in self.consumers.get((key, id(v)), [])]
+            for eqn in self.consumers.get(id(v), []):
+                name = eqn.primitive.name
+                if self.passes.get(id(eqn)) != "forward" or name in _SEARCHES or any(True for _ in _sub_jaxprs(eqn)):
+                    continue  # (a call, loop or cond: its body's uses, through the "enter" links)
+                if name not in _LOGIT_PATH:
+                    return False
+                frontier += [o for o in eqn.outvars if _is_var(o)]
+        return True
 
     def attends(self, var, depth: int = 10) -> bool:
         """Whether `var` reaches a forward matmul through other ops, at most `depth` values on: attention scores
@@ -622,11 +650,13 @@ class _Walk:
             frontier.extend(v for v in floats if _dtype(v) == "float32")
         return promotion or "no half-precision value reached it (the model computes in float32 there)"
 
-    def feeds_matmul(self, var, limit: int = 4096) -> bool:
+    def feeds_matmul(self, var, limit: int = 4096, loop: bool = False) -> bool:
         """Whether `var` (a forward value) reaches another forward matmul or convolution, through the forward ops
         after it (and call, loop and cond boundaries); not, it reaches the loss as an output layer's result does (a
-        regression or value head's: no softmax to find it by; a scanned layer's output feeds the next trip's matmuls).
-        True where the walk passes `limit` variables."""
+        regression or value head's: no softmax to find it by). With `loop`, also through a loop body's carry into
+        its next trip (a scanned stack's block output feeds the next block's matmuls: its weights, a slice per
+        trip, are every layer's, not an output layer's). True where the walk passes `limit` variables."""
+        links = ("enter", "exit", "loop") if loop else ("enter", "exit")
         seen, frontier = set(), [var]
         while frontier:
             v = frontier.pop()
@@ -635,13 +665,34 @@ class _Walk:
             seen.add(id(v))
             if len(seen) > limit:
                 return True
-            frontier += [w for key in ("enter", "exit", "loop") for w in self.consumers.get((key, id(v)), [])]
+            frontier += [w for key in links for w in self.consumers.get((key, id(v)), [])]
             for eqn in self.consumers.get(id(v), []):
                 if self.passes.get(id(eqn)) != "forward":
                     continue
                 if eqn.primitive.name in _MATMULS:
                     return True
                 frontier += [o for o in eqn.outvars if _is_var(o)]
+        return False
+
+    def per_trip(self, eqn, depth: int = 12) -> bool:
+        """Whether an operand of the matmul `eqn` is a scan's per-trip slice (`sliced`), through casts, shape ops
+        and the quantization around an FP8 matmul (scales, clips), at most `depth` ops back: a scanned stack's
+        weights, a different layer's each trip (a loop-invariant weight, an autoregressive rollout's, is not)."""
+        frontier, seen = [(v, depth) for v in eqn.invars[:2]], set()
+        while frontier:
+            v, left = frontier.pop()
+            if not _is_var(v) or left == 0 or id(v) in seen:
+                continue
+            seen.add(id(v))
+            if id(v) in self.sliced:
+                return True
+            maker = self.producer.get(id(v))
+            if maker is not None and maker.primitive.name in _SLICE_PATH:
+                frontier += [(w, left - 1) for w in maker.invars]
+            for link in ("alias", "input"):  # a call's output: its body's; a body's input: the call's operand
+                other = self.producer.get((link, id(v)))
+                if other is not None:
+                    frontier.append((other, left - 1))
         return False
 
     def from_input(self, var, depth: int = 8) -> bool:
@@ -876,8 +927,12 @@ class PrecisionReport:
                  if (self.fp8_exclude if r["lhs"].startswith("float8") else self.float32_results)]
         if not heads:
             return ""
-        head = max(heads, key=lambda r: r["flops"])
+        head = max(heads, key=lambda r: (r.get("into") not in _SEARCHES, r["flops"]))  # (searches last)
         into = head.get("into", "softmax")
+        if not head["weight"] and into in _SEARCHES:  # a codebook in the batch or the model's state (Haiku's EMA)
+            return (f"the search at {head['source']} (its codebook is no param: an input of the step or the model's "
+                    f"state) writes {head['out']} {_VALUES[into]} into {_a(into)} ({_SEARCH_WHY}): wrap that call in "
+                    "jax.named_scope('head') (a default float32_results pattern) to keep them float32")
         if not head["weight"]:  # its weight is no param: no pattern can name it by path
             return (f"the {_KINDS.get(into, _HEAD)[0]} at {head['source']} (an operand is an input of the step "
                     f"outside the params: another network's weights, a graph's adjacency matrix) writes {head['out']} "
@@ -1086,11 +1141,13 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
     half_logits += [{**r, "into": OUTPUT_LAYER, "float32_results_names": named(eqn, scopes)}
                     for r, eqn, scopes in zip(walk.rows, walk.eqns, walk.names)
                     if autocast and r["pass"] == "forward" and r["weight"] and r["lhs"].startswith("float8")
-                    and (r["source"], r["weight"]) not in found and not walk.feeds_matmul(eqn.outvars[0])]
+                    and (r["source"], r["weight"]) not in found
+                    and not walk.feeds_matmul(eqn.outvars[0], loop=walk.per_trip(eqn))]
     # a search (a VQ codebook's distances into an argmin, Q-values into an argmax) no head or output layer found
     found = {(r["source"], r["weight"]) for r in half_logits}
     half_logits += [{**r, "into": kind, "float32_results_names": named(eqn, scopes)} for r, eqn, scopes, kind in into
-                    if kind in _SEARCHES and (r["source"], r["weight"]) not in found]
+                    if kind in _SEARCHES and (r["source"], r["weight"]) not in found
+                    and walk.only_searched(eqn.outvars[0])]
     if fallbacks:
         row, eqn = walk.first_fallback
         fallbacks[0]["cause"] = walk.cause(eqn)

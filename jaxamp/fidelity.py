@@ -253,4 +253,9 @@ def whole_error(global_rel_err: dict) -> jax.Array:
     `global_rel_err` (each leaf's `||g_leaf - ref_leaf|| / ||ref||`: their squares add up); inf where a leaf is.
     The "whole-gradient error" of the FP8 guide's tables. Jit-able."""
     values = [jnp.asarray(v, jnp.float32) for v in jax.tree.leaves(global_rel_err)]
-    return jnp.sqrt(jnp.sum(jnp.square(jnp.stack(values)))) if values else jnp.float32(0.0)
+    if not values:
+        return jnp.float32(0.0)
+    values = jnp.abs(jnp.stack(values))
+    top = jnp.max(values)  # scaled by the largest: no square overflows or underflows
+    safe = jnp.where(jnp.isfinite(top) & (top > 0), top, 1.0)
+    return jnp.where(jnp.isfinite(top) & (top > 0), top * jnp.sqrt(jnp.sum(jnp.square(values / safe))), top)

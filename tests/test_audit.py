@@ -1224,9 +1224,11 @@ def test_a_codebook_search_into_an_argmax_or_argmin_is_named_and_the_policy_it_g
     argmin = audit("bf16;autocast", functools.partial(vq_loss, search=lambda d: jnp.argmin(d, -1)))
     assert "the search over codebook at" in argmin.summary() and "bfloat16 distances into an argmin" in \
         argmin.summary(), argmin.summary()
-    fp8 = audit("fp8-current")
+    assert [(r["weight"], r["into"]) for r in audit("fp8-current").half_logits] == [
+        ("dec", "the loss through no other matmul"), ("codebook", "argmax")]  # (the output layer named first)
+    fp8 = audit("fp8-current;fp8_exclude+=^dec$;float32_results+=^dec$")
     assert "the search over codebook at" in fp8.summary() and "runs in FP8 into an argmax" in fp8.summary()
-    suggested = "fp8-current;fp8_exclude+=^codebook$;float32_results+=^codebook$"
+    suggested = "fp8-current;fp8_exclude+=^dec$,^codebook$;float32_results+=^dec$,^codebook$"
     assert f"policy '{suggested}' keeps it out" in fp8.summary(), fp8.summary()
     assert [(r["lhs"], r["out"], r["fp8_excluded_by"]) for r in audit(suggested).rows if r["weight"] == "codebook"
             ] == [("bfloat16", "float32", "^codebook$")]
@@ -1256,6 +1258,58 @@ def test_a_codebook_search_into_an_argmax_or_argmin_is_named_and_the_policy_it_g
     report = precision_audit(TrainState.create(params=head, tx=optax.sgd(0.1), policy="bf16;autocast;"
                              "float32_results=", loss_scale=NoOpLossScale(), rng=jax.random.key(1)), batch, classify)
     assert [r["into"] for r in report.half_logits] == ["softmax"], report.half_logits  # (bf16 logits asked for)
+
+
+def test_a_search_is_a_matmul_whose_result_goes_only_into_an_argmax_and_is_named_last():
+    """A hidden layer whose activations an argmax also reads (a diagnostic), or a classifier trained by MSE with an
+    accuracy argmax, is no search: the audit called the hidden layer one under fp8-current, and its policy took the
+    FP8 share from 100% to 2.3%. A classifier's head and an FP8 output layer are named before a search, whatever
+    their FLOPs; a search whose codebook is no param (in the batch, a model's state) gets advice that fits."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    batch = {"x": jax.random.normal(keys[0], (128, 64)), "y": jnp.arange(128) % 10}
+
+    def audit(params, loss, policy="fp8-current", b=batch):
+        return precision_audit(TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy,
+                                                 loss_scale=NoOpLossScale(), rng=jax.random.key(1)), b, loss)
+
+    def hidden(p, b, rng):
+        h = b["x"] @ p["w1"]  # f32[128, 256]
+        winners = jnp.argmax(h, -1)  # a diagnostic of the hidden units
+        return jnp.mean((jax.nn.relu(h) @ p["w2"])[:, 0] - winners.astype(jnp.float32) * 0.0) ** 2
+
+    mlp = {"w1": jax.random.normal(keys[1], (64, 256)) / 8, "w2": jax.random.normal(keys[2], (256, 1)) / 16}
+    assert [(r["weight"], r["into"]) for r in audit(mlp, hidden).half_logits] == [
+        ("w2", "the loss through no other matmul")]
+
+    def mse_classifier(p, b, rng):  # one-hot targets by MSE, and an accuracy
+        logits = b["x"] @ p["w"]
+        accuracy = jnp.mean(jnp.argmax(logits, -1) == b["y"])
+        return jnp.mean((logits - jax.nn.one_hot(b["y"], 10)) ** 2) + 0 * accuracy
+
+    linear = {"w": jax.random.normal(keys[3], (64, 10)) / 8}
+    assert audit(linear, mse_classifier, "bf16;autocast").half_logits == ()
+
+    def vq_classifier(p, b, rng):  # a VQ's search (the larger matmul) and a classifier on its codes
+        x = b["x"]
+        d = jnp.sum(x ** 2, 1, keepdims=True) - 2 * x @ p["codebook"] + jnp.sum(p["codebook"] ** 2, 0, keepdims=True)
+        q = p["codebook"].T[jnp.argmin(d, -1)]  # f32[128, 64]
+        logits = (x + jax.lax.stop_gradient(q - x)) @ p["cls"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    both = {"codebook": jax.random.normal(keys[1], (64, 512)), "cls": linear["w"]}
+    report = audit(both, vq_classifier, "bf16;autocast")
+    assert [(r["weight"], r["into"]) for r in report.half_logits] == [("cls", "softmax"), ("codebook", "argmin")]
+    assert report.logits_note().startswith("the output head cls at"), report.logits_note()
+
+    def vq_batch(p, b, rng):  # the codebook comes in the batch
+        x, c = b["x"] @ p["enc"], b["codebook"]
+        q = c.T[jnp.argmin(jnp.sum(x ** 2, 1, keepdims=True) - 2 * x @ c + jnp.sum(c ** 2, 0, keepdims=True), -1)]
+        return jnp.mean((x + jax.lax.stop_gradient(q - x) - b["x"]) ** 2)
+
+    note = audit({"enc": jnp.eye(64)}, vq_batch, "bf16;autocast", {**batch, "codebook": both["codebook"]}
+                 ).logits_note()
+    assert note.startswith("the search at test_audit.py:") and "(its codebook is no param" in note, note
+    assert "bfloat16 distances into an argmin" in note and "jax.named_scope('head')" in note, note
 
 
 def test_a_while_loops_cond_takes_its_own_consts_not_the_bodys():
@@ -1312,6 +1366,20 @@ def test_a_scanned_stack_without_a_head_is_no_output_layer():
                                  lambda p, b, r, net=net: jnp.mean(net.apply({"params": p}, b["x"]) ** 2))
         assert [(r["weight"], r["into"]) for r in report.half_logits] == found, report.summary()
         assert report.fp8_fraction == 1.0
+
+    def rollout(p, b, rng):  # an autoregressive rollout: one loop-invariant output layer, its prediction fed back
+        def step(h, _):
+            y = jnp.tanh(h @ p["w_in"]) @ p["w_out"]  # f32[16, 64]: the prediction, the next input
+            return y, y
+
+        _, ys = jax.lax.scan(step, b["x"], None, length=5)
+        return jnp.mean(ys ** 2)
+
+    weights = {"w_in": jnp.eye(64), "w_out": jnp.eye(64) / 2}
+    state = TrainState.create(params=weights, tx=optax.sgd(0.1), policy="fp8-current", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(3))
+    assert [(r["weight"], r["into"]) for r in precision_audit(state, {"x": x}, rollout).half_logits] == [
+        ("w_out", "the loss through no other matmul")]
 
 
 def test_a_one_hot_segment_sum_is_a_matmul_in_every_policy_and_a_selection_is_not():

@@ -429,3 +429,6 @@ def test_whole_error_is_the_whole_gradients_relative_error():
     got = float(whole_error(fidelity_report(state, batch, loss)["global_rel_err"]))
     assert 1e-4 < expected < 0.05 and got == pytest.approx(expected, rel=1e-5), (got, expected)
     assert float(whole_error({})) == 0.0 and float(whole_error({"a": jnp.inf, "b": jnp.float32(0.1)})) == np.inf
+    for errs, total in (({"a": 3e19, "b": 4e19}, 5e19), ({"a": 3e-23, "b": 4e-23}, 5e-23)):  # no over/underflow
+        assert float(whole_error(errs)) == pytest.approx(total, rel=1e-5)
+        assert float(jax.jit(whole_error)(errs)) == pytest.approx(total, rel=1e-5)
