@@ -1115,6 +1115,7 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
     compute_half = _is_half(compute_dtype)
     walk = _Walk()
     walk.visit(closed_jaxpr.jaxpr, 1, compute_half)
+    _user_sources(walk.rows)
     if fp8_exclude is not None:
         _mark_fp8_exclusions(walk, fp8_exclude)
     if float32_results is not None:
@@ -1162,6 +1163,16 @@ def audit_jaxpr(closed_jaxpr, *, policy: str, compute_dtype, fp8_exclude=None, a
 
 
 OUTPUT_LAYER = "the loss through no other matmul"
+
+
+def _user_sources(rows: list) -> None:
+    """A row with no user frame (its source is the library's entry point: a remat'd layer's forward, which a
+    gradient's partial evaluation moves out of the remat with the body's traceback) takes the user's line of another
+    row of the same weight and library (its backward), in place."""
+    known = {(r["weight"], r["library"]): r["source"] for r in rows if r["weight"] and r["source"] != r["library"]}
+    for r in rows:
+        if r["source"] == r["library"] and (r["weight"], r["library"]) in known:
+            r["source"] = known[(r["weight"], r["library"])]
 
 # What `logits_note` calls a matmul (one, several) by what its result goes into (else an output head's logits), what
 # it writes, and why it names it.

@@ -1407,3 +1407,23 @@ def test_a_one_hot_segment_sum_is_a_matmul_in_every_policy_and_a_selection_is_no
     counted = {p: sum(r["flops"] for r in rep.rows if not r["selection"]) for p, rep in reports.items()}
     assert counted["fp32"] == counted["bf16;autocast"] == 2 * 128 * 16 * 64 * 2, counted
     assert "[16, 128] x [128, 64]" in [r["shape"] for r in reports["bf16"].fallbacks]  # (float32 inputs: no selection)
+
+
+def test_a_remat_layers_forward_row_names_the_users_line():
+    """Under a gradient, `nn.remat(nn.Dense)`'s forward matmul is moved out of the remat with the body's traceback,
+    which holds no user frame: its row's source read `flax/linen/linear.py:Dense.__call__` where its backward rows
+    read the user's line."""
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.remat(nn.Dense)(16)(x)  # f32[8, 16]
+            return nn.Dense(1)(h)
+
+    net, x = Net(), jnp.ones((8, 4))
+    state = TrainState.create(params=net.init(jax.random.key(0), x)["params"], tx=optax.sgd(0.1),
+                              policy="bf16;autocast", loss_scale=NoOpLossScale(), rng=jax.random.key(1))
+    report = precision_audit(state, {"x": x}, lambda p, b, rng: jnp.mean(net.apply({"params": p}, b["x"]) ** 2))
+    line = inspect.getsourcelines(Net.__call__)[1] + 2
+    sources = {(r["weight"], r["pass"]): r["source"] for r in report.rows}
+    assert sources[("CheckpointDense_0.kernel", "forward")] == f"test_audit.py:{line}", sources
+    assert sources[("CheckpointDense_0.kernel", "backward")] == f"test_audit.py:{line}", sources
