@@ -713,42 +713,50 @@ class _Walk:
             var = step
         return False
 
-    def _one_hot(self, var, depth: int) -> bool:
-        """Whether `var` holds a one-hot array, `jax.nn.one_hot`'s `convert(ids[..., None] == iota)` (through shape
-        ops, casts and call boundaries, at most `depth` ops back): a float32 matmul that takes it is a selection that
-        autocast ran in its other operand's dtype (`autocast_rules.selection_rule`), or the backward of one."""
+    def _one_hot_axis(self, var, depth: int) -> int | None:
+        """The class axis of `var` where it holds a one-hot array, `jax.nn.one_hot`'s `convert(ids[..., None] ==
+        iota)` (through shape ops, casts and call boundaries, at most `depth` ops back), else None: a float32 matmul
+        that takes it is a selection that autocast ran in its other operand's dtype
+        (`autocast_rules.selection_rule`), or the backward of one."""
         if depth == 0 or not _is_var(var):
-            return False
+            return None
         step = self._through_calls(var)
         if step is not None:
-            return self._one_hot(step, depth - 1)
+            axis = self._one_hot_axis(step, depth - 1)
+            if axis is not None and id(var) in self.sliced:  # a scan's xs slice: the leading axis dropped
+                return axis - 1 if axis > 0 else None
+            return axis
         maker = self.producer.get(id(var))
         if maker is None or maker.primitive.name not in _SHAPE_AND_CAST_OPS or not maker.invars:
-            return False
+            return None
         if maker.primitive.name == "convert_element_type" and _dtype(maker.invars[0]) == "bool":
             compare = self.producer.get(id(maker.invars[0]))
-            return compare is not None and compare.primitive.name == "eq" and any(
-                self._from_iota(v, 4) for v in compare.invars)
-        return self._one_hot(maker.invars[0], depth - 1)
+            if compare is None or compare.primitive.name != "eq":
+                return None
+            return next((a for a in (self._iota_axis(v, 4) for v in compare.invars) if a is not None), None)
+        axis = self._one_hot_axis(maker.invars[0], depth - 1)
+        return None if axis is None else _moved_axis(maker, axis)
 
     def _selects(self, eqn) -> bool:
-        """Whether a matmul selects with a one-hot operand (`_one_hot`): forward, contracted over its last (class)
+        """Whether a matmul selects with a one-hot operand (`_one_hot_axis`): forward, contracted over its class
         axis, as `autocast_rules.selects` decides (`x.T @ one_hot(ids)`, VectorQuantizerEMA's codebook sums, is a
         segment sum: a matmul like any other); backward, any (a selection's gradient sums over its rows)."""
-        if eqn.primitive.name != "dot_general":
-            return any(self._one_hot(v, 8) for v in eqn.invars[:2])
-        hot = [self._one_hot(v, 8) for v in eqn.invars[:2]]
-        if self.passes.get(id(eqn)) != "forward":
-            return any(hot)
-        return any(selects(eqn, hot))
+        axes = [self._one_hot_axis(v, 8) for v in eqn.invars[:2]]
+        if eqn.primitive.name != "dot_general" or self.passes.get(id(eqn)) != "forward":
+            return any(a is not None for a in axes)
+        return any(selects(eqn, axes))
 
-    def _from_iota(self, var, depth: int) -> bool:
+    def _iota_axis(self, var, depth: int) -> int | None:
+        """The axis along which `var` counts, where it is an `iota` (through broadcasts and casts), else None."""
         maker = self.producer.get(id(var)) if _is_var(var) else None
         if maker is None or depth == 0:
-            return False
-        return maker.primitive.name == "iota" or (
-            maker.primitive.name in ("broadcast_in_dim", "convert_element_type") and
-            self._from_iota(maker.invars[0], depth - 1))
+            return None
+        if maker.primitive.name == "iota":
+            return maker.params["dimension"]
+        if maker.primitive.name not in ("broadcast_in_dim", "convert_element_type"):
+            return None
+        axis = self._iota_axis(maker.invars[0], depth - 1)
+        return None if axis is None else _moved_axis(maker, axis)
 
     def _through_calls(self, var):
         """The variable `var` stands for across a call boundary (a call's output -> the inner program's output; an
@@ -759,6 +767,25 @@ class _Walk:
         if id(var) not in self.producer:
             return self.producer.get(("input", id(var)))
         return None
+
+
+def _moved_axis(eqn, axis: int) -> int | None:
+    """Where a shape op or cast `eqn` puts its input's `axis` in its output (None where a reshape or squeeze does
+    not keep it whole: the class axis of a one-hot, the counting axis of an iota)."""
+    name, before, after = eqn.primitive.name, eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    if name in ("convert_element_type", "copy"):
+        return axis
+    if name == "transpose":
+        return list(eqn.params["permutation"]).index(axis)
+    if name == "broadcast_in_dim":
+        return eqn.params["broadcast_dimensions"][axis]
+    if name == "squeeze":
+        dropped = [d % len(before) for d in eqn.params["dimensions"]]
+        return None if axis in dropped else axis - sum(d < axis for d in dropped)
+    if name in ("reshape", "expand_dims") and axis == len(before) - 1 and before[-1:] == after[-1:] and \
+            eqn.params.get("dimensions") is None:
+        return len(after) - 1  # (the last axis kept whole and last)
+    return None
 
 
 def _is_var(v) -> bool:

@@ -491,68 +491,79 @@ _float32_result.defvjp(_float32_result_fwd, _float32_result_bwd, symbolic_zeros=
 _CALL_PRIMITIVES = ("jit", "pjit", "closed_call", "core_call")
 
 
-def _last_axis_iota(var, makers: dict) -> bool:
-    """`var` is an `iota` counting along its last axis (through `broadcast_in_dim`, `convert_element_type`)."""
+def _iota_axis(var, makers: dict) -> int | None:
+    """The axis along which `var` counts, where it is an `iota` (through `broadcast_in_dim`, which moves its axis,
+    and `convert_element_type`), else None."""
+    chain = []
     for _ in range(4):
         maker = makers.get(var)
         if maker is None:
-            return False
+            return None
         if maker.primitive.name == "iota":
-            return maker.params["dimension"] == len(maker.params["shape"]) - 1
+            axis = maker.params["dimension"]
+            for step in reversed(chain):  # (broadcasts after the iota, innermost first)
+                axis = step.params["broadcast_dimensions"][axis] if step.primitive.name == "broadcast_in_dim" else axis
+            return axis
         if maker.primitive.name not in ("broadcast_in_dim", "convert_element_type") or \
                 isinstance(maker.invars[0], jex_core.Literal):
-            return False
+            return None
+        chain.append(maker)
         var = maker.invars[0]
-    return False
+    return None
 
 
-def one_hot_vars(jaxpr, depth: int = 3, seeds: Sequence = ()) -> set:
-    """The variables of `jaxpr` that hold a one-hot array along their last axis, as `jax.nn.one_hot(ids, n)` makes
-    it: `convert_element_type(ids[..., None] == iota)` with the iota counting along the last axis, through casts,
-    transposes and reshapes that keep the last axis, and the outputs of a call that returns one (`jax.nn.one_hot` is
-    a jit), at most `depth` calls deep. A mask or an adjacency matrix (a boolean from any other comparison) is not
-    one. `seeds`: variables known to hold one (a jitted, scanned or looped body's inputs that were one-hot where it
-    was called), and what the ops above make of them."""
-    found, makers, hot = set(seeds), {}, set()
+def one_hot_vars(jaxpr, depth: int = 3, seeds: dict | None = None) -> dict:
+    """`{variable: class axis}` for the variables of `jaxpr` that hold a one-hot array, as `jax.nn.one_hot(ids, n,
+    axis=a)` makes it: `convert_element_type(expand_dims(ids, a) == iota)` with the iota counting along the class
+    axis, through casts, transposes (`one_hot(ids).T`: the axis moves), reshapes that keep a last class axis whole
+    and last, and the outputs of a call that returns one (`jax.nn.one_hot` is a jit), at most `depth` calls deep. A
+    mask or an adjacency matrix (a boolean from any other comparison) is not one. `seeds`: variables known to hold
+    one (a jitted, scanned or looped body's inputs that were one-hot where it was called) with their class axes,
+    and what the ops above make of them."""
+    found, makers, hot = dict(seeds or {}), {}, {}
     for eqn in jaxpr.eqns:
         for out in eqn.outvars:
             makers[out] = eqn
         name = eqn.primitive.name
         ins = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
-        if name == "eq" and len(ins) == 2 and any(_last_axis_iota(v, makers) for v in ins):
-            hot.add(eqn.outvars[0])
+        if name == "eq" and len(ins) == 2:
+            axes = [a for a in (_iota_axis(v, makers) for v in ins) if a is not None]
+            if axes:
+                hot[eqn.outvars[0]] = axes[0]
         elif name == "convert_element_type" and ins and (ins[0] in hot or ins[0] in found):
-            found.add(eqn.outvars[0])
-        elif name in ("transpose", "reshape", "copy") and ins and ins[0] in found and _keeps_rows(eqn):
-            found.add(eqn.outvars[0])  # `one_hot(tokens).swapaxes(0, 1)` to scan over time
+            found[eqn.outvars[0]] = hot[ins[0]] if ins[0] in hot else found[ins[0]]
+        elif name == "transpose" and ins and ins[0] in found:
+            found[eqn.outvars[0]] = list(eqn.params["permutation"]).index(found[ins[0]])
+        elif name in ("reshape", "copy") and ins and ins[0] in found and _keeps_rows(eqn, found[ins[0]]):
+            found[eqn.outvars[0]] = eqn.outvars[0].aval.ndim - 1 if name == "reshape" else found[ins[0]]
         elif name in _CALL_PRIMITIVES and depth > 1:
             body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             body = getattr(body, "jaxpr", body)
             if hasattr(body, "eqns"):
                 inner = one_hot_vars(body, depth - 1)
-                found.update(o for o, i in zip(eqn.outvars, body.outvars)
+                found.update((o, inner[i]) for o, i in zip(eqn.outvars, body.outvars)
                              if not isinstance(i, jex_core.Literal) and i in inner)
     return found
 
 
-def _keeps_rows(eqn) -> bool:
-    """Whether a transpose or reshape leaves each last-axis row of its input whole and last (so a one-hot stays one
-    along its last axis)."""
+def _keeps_rows(eqn, axis: int) -> bool:
+    """Whether a reshape (or copy) leaves each row along the class `axis` of its input whole and last (so a one-hot
+    stays one along its last axis): the class axis is last and keeps its size."""
     before, after = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-    if not before or not after or before[-1] != after[-1]:
+    if eqn.primitive.name == "copy":
+        return True
+    if not before or not after or axis != len(before) - 1 or before[-1] != after[-1]:
         return False
-    if eqn.primitive.name == "reshape":
-        return eqn.params.get("dimensions") is None  # (`lax.reshape(x, shape, dimensions=...)` transposes first)
-    return eqn.primitive.name != "transpose" or eqn.params["permutation"][-1] == len(before) - 1
+    return eqn.params.get("dimensions") is None  # (`lax.reshape(x, shape, dimensions=...)` transposes first)
 
 
-def selects(eqn, one_hot: Sequence[bool]) -> list[bool]:
-    """Per operand of a `dot_general`: a one-hot operand (`one_hot[i]`, `one_hot_vars`) contracted over its last
-    (class) axis, so the product picks rows of the other operand: a selection. A one-hot contracted over another
-    axis sums (a segment sum over a graph's edges)."""
+def selects(eqn, one_hot: Sequence[int | None]) -> list[bool]:
+    """Per operand of a `dot_general`: a one-hot operand (its class axis `one_hot[i]`, `one_hot_vars`; None where it
+    is none) contracted over its class axis, so the product picks rows of the other operand: a selection
+    (`one_hot(ids) @ table`, `table.T @ one_hot(ids).T`). A one-hot contracted over another axis sums (a segment sum
+    over a graph's edges, a VQ codebook's per-code sums `x.T @ one_hot(ids)`)."""
     (lc, rc), _ = eqn.params["dimension_numbers"]
-    return [hot and (var.aval.ndim - 1) in contracting
-            for hot, var, contracting in zip(one_hot, eqn.invars[:2], (lc, rc))]
+    return [axis is not None and axis in contracting for axis, contracting in zip(one_hot, (lc, rc))]
 
 
 def contracts_nothing(eqn) -> bool:

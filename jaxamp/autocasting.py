@@ -58,8 +58,9 @@ Casts and constants:
   kernel traffic per step (`benchmarks/results/gpu_compile_autocast_head.md`). `float32_results=()` gives
   torch.amp's bf16 logits.
 * A `dot_general` that contracts a one-hot operand over its class axis (`jax.nn.one_hot`'s
-  `convert(ids[..., None] == iota)`, through casts and nested jits, contracted over its last axis:
-  `jax.nn.one_hot(ids, n) @ table`, optax's `ctc_loss`'s gathers of its log-probabilities) is a selection written as
+  `convert(expand_dims(ids, axis) == iota)`, through casts, transposes and nested jits, contracted over the axis the
+  iota counts along: `jax.nn.one_hot(ids, n) @ table`, `table.T @ one_hot(ids).T`, `table.T @ one_hot(ids, n,
+  axis=0)`, optax's `ctc_loss`'s gathers of its log-probabilities) is a selection written as
   a matmul: both operands take the other operand's dtype, as torch.amp's gather and embedding keep their input's (a
   float32 table's rows and CTC's loss stay float32); never FP8 (`autocast_rules.selection_rule`).
 * A `dot_general` that contracts nothing (`einsum("te,tec->tec", probs, mask)`, Flaxformer's MoE combine weights:
@@ -361,7 +362,7 @@ def _param_path(path) -> str | None:
 
 
 def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: Sequence | None = None,
-              arg_names: Sequence | None = None, traceback=None, arg_hot: Sequence[bool] | None = None) -> list:
+              arg_names: Sequence | None = None, traceback=None, arg_hot: Sequence | None = None) -> list:
     """Evaluates an open `jaxpr` on `consts` and `args` (any dtypes), re-binding each equation under `mode`.
 
     Each equation is bound inside its own source info (traceback and name stack) and equation context, as
@@ -369,8 +370,8 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
     constants (see `autocast_rules.widest_dtype`); they are tracked through broadcasts and reshapes. `arg_names`
     (optional, per arg) are the param paths of args (see `_param_path`), tracked through casts, reshapes and
     transposes, into nested jits, scan, while and cond bodies, remat and custom_jvp; a matmul with a named operand
-    is bound in a `WEIGHT_SCOPE` name scope (rhs first, then lhs). `arg_hot` (optional, per arg): the args that
-    hold a one-hot array (`autocast_rules.one_hot_vars`), carried into nested jits and remat so that a one-hot made
+    is bound in a `WEIGHT_SCOPE` name scope (rhs first, then lhs). `arg_hot` (optional, per arg): the class axis of
+    an arg that holds a one-hot array (`autocast_rules.one_hot_vars`), else None, carried into nested jits and remat so that a one-hot made
     outside a jitted function is a selection inside it. `traceback` (optional) replaces every
     equation's own traceback. An equation whose own traceback holds no frame outside JAX (in the body of a function
     that JAX jitted, such as `jnp.take`, or a `custom_jvp` such as `jax.nn.relu`: that traceback ends at the jitted
@@ -393,8 +394,8 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
         env[var] = val
     for var, val, b, n in zip(jaxpr.invars, args, arg_bounds or [None] * len(args), arg_names or [None] * len(args)):
         env[var], bound[var], named[var] = val, b, n
-    seeds = [v for v, hot in zip(jaxpr.invars, arg_hot or ()) if hot]
-    one_hot = set() if mode.reference else rules.one_hot_vars(jaxpr, seeds=seeds)
+    seeds = {v: axis for v, axis in zip(jaxpr.invars, arg_hot or ()) if axis is not None}
+    one_hot = {} if mode.reference else rules.one_hot_vars(jaxpr, seeds=seeds)
     for eqn in jaxpr.eqns:
         vals, bounds = [read(v) for v in eqn.invars], [read_bound(v) for v in eqn.invars]
         names = [None if isinstance(v, jex_core.Literal) else named.get(v) for v in eqn.invars]
@@ -402,10 +403,11 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
         rule, extra = _rule(eqn, mode), {}
         if rule in _NAMED_RULES and any(names):
             extra = {"names": names}
-        hot = [not isinstance(v, jex_core.Literal) and v in one_hot for v in eqn.invars] if one_hot else []
-        if rule in _HOT_RULES and any(hot):
+        hot = [None if isinstance(v, jex_core.Literal) else one_hot.get(v) for v in eqn.invars] if one_hot else []
+        if rule in _HOT_RULES and any(axis is not None for axis in hot):
             extra["hot"] = hot
-        if eqn.primitive.name == "dot_general" and any(hot) and rule is rules.FIRST_ORDER_RULES["dot_general"]:
+        if eqn.primitive.name == "dot_general" and any(axis is not None for axis in hot[:2]) and \
+                rule is rules.FIRST_ORDER_RULES["dot_general"]:
             selects = rules.selects(eqn, hot[:2])
             if any(selects):
                 rule, extra = rules.selection_rule, {"one_hot": selects}
@@ -471,10 +473,10 @@ def _rule(eqn, mode: Mode):
     return HIGHER_ORDER_RULES.get(name) or rules.FIRST_ORDER_RULES.get(name) or rules.original_rule
 
 
-def _closed_fn(closed, mode: Mode, names: Sequence | None = None, hot: Sequence[bool] | None = None
+def _closed_fn(closed, mode: Mode, names: Sequence | None = None, hot: Sequence | None = None
                ) -> Callable[..., list]:
-    """A ClosedJaxpr as a function of its inputs (their param paths `names`, which of them are one-hot `hot`),
-    interpreted under `mode`."""
+    """A ClosedJaxpr as a function of its inputs (their param paths `names`, the class axes of those that are
+    one-hot `hot`), interpreted under `mode`."""
     return lambda *xs: interpret(closed.jaxpr, closed.consts, xs, mode, arg_names=names, arg_hot=hot)
 
 
@@ -535,9 +537,9 @@ def _scan_rule(eqn, vals, mode: Mode, bounds=None, names=None, hot=None) -> list
     targets = [mode.fixed_dtype(a.dtype) for a in closed.in_avals[n_consts:n_consts + n_carry]]
     if names is not None:
         names = [*names[:n_consts], *[None] * n_carry, *names[n_consts + n_carry:]]
-    if hot is not None:
-        hot = [*hot[:n_consts], *[False] * n_carry,
-               *[h and v.aval.ndim > 1 for h, v in zip(hot[n_consts + n_carry:], eqn.invars[n_consts + n_carry:])]]
+    if hot is not None:  # (an xs slice drops the leading axis: a class axis 0 leaves no one-hot)
+        hot = [*hot[:n_consts], *[None] * n_carry,
+               *[axis - 1 if axis else None for axis in hot[n_consts + n_carry:]]]
     body_fn = _closed_fn(closed, mode, names, hot)
 
     def body(carry, x):
@@ -566,7 +568,7 @@ def _while_rule(eqn, vals, mode: Mode, bounds=None, names=None, hot=None) -> lis
     cond_consts, body_consts, init = vals[:n_c], vals[n_c:n_c + n_b], vals[n_c + n_b:]
     targets = [mode.fixed_dtype(a.dtype) for a in body_j.in_avals[n_b:]]
     body_names = None if names is None else [*names[n_c:n_c + n_b], *[None] * len(init)]
-    body_hot = None if hot is None else [*hot[n_c:n_c + n_b], *[False] * len(init)]
+    body_hot = None if hot is None else [*hot[n_c:n_c + n_b], *[None] * len(init)]
     cond_fn, body_fn = _closed_fn(cond_j, mode), _closed_fn(body_j, mode, body_names, body_hot)
 
     def body(carry):

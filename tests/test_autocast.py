@@ -1089,6 +1089,31 @@ def test_a_one_hot_scanned_over_or_passed_to_a_cond_or_custom_jvp_is_a_selection
     assert report.half_fraction == 1.0 and report.fallbacks == ()
 
 
+def test_a_one_hot_contracted_over_its_class_axis_wherever_it_lies_is_a_selection():
+    """`table.T @ one_hot(ids).T` and `table.T @ one_hot(ids, axis=0)` pick table rows as `one_hot(ids) @ table`
+    does, their class axis moved (a transpose, `axis=0`): they ran as bf16 matmuls (lookups 0.37% off) and as FP8
+    ones under `fp8-current` (6.1% off). Now each is a selection (exact float32 rows) under both, and the audit
+    counts them as selections."""
+    import optax
+
+    from jaxamp import NoOpLossScale, TrainState, precision_audit
+
+    table = jax.random.normal(jax.random.key(0), (64, 32)) * 1.37  # f32[vocab, width]
+    ids = jax.random.randint(jax.random.key(1), (128,), 0, 64)
+    forms = {"transposed": lambda t, i: (t.T @ jax.nn.one_hot(i, 64).T).T,
+             "axis 0": lambda t, i: (t.T @ jax.nn.one_hot(i, 64, axis=0)).T,
+             "einsum": lambda t, i: jnp.einsum("vd,vb->bd", t, jax.nn.one_hot(i, 64, axis=0))}
+    for name, form in forms.items():
+        for fp8 in (None, "current"):
+            got = autocast(form, BF, fp8=fp8)(table, ids)
+            assert got.dtype == jnp.float32 and np.array_equal(got, table[ids]), (name, fp8)
+        state = TrainState.create(params={"t": table}, tx=optax.sgd(0.1), policy="fp8-current",
+                                  loss_scale=NoOpLossScale(), rng=jax.random.key(2))
+        report = precision_audit(state, {"ids": ids}, lambda p, b, rng, f=form: jnp.sum(f(p["t"], b["ids"]) ** 2))
+        assert [(r["pass"], r["lhs"], r["selection"]) for r in report.rows] == [
+            ("forward", "float32", True), ("backward", "float32", True)], (name, report.rows)
+
+
 def test_a_one_hot_matmul_is_a_selection_in_its_other_operands_dtype():
     """`jax.nn.one_hot(ids) @ table` and optax's `ctc_loss` (its log-probabilities gathered by one-hot einsums) are
     selections written as matmuls: autocast runs them in the other operand's dtype (torch.amp's gather and
