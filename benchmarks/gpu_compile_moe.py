@@ -161,19 +161,28 @@ def report(rows: list[dict], args, argv) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+MOE_SIZES = ("tokens", "width", "hidden", "experts", "capacity")
+
+
+def add_moe_flags(parser: argparse.ArgumentParser, policies: tuple[str, ...]) -> None:
+    """The model's flags (`--forms`, `--policies` among `policies`, the MoE layer's sizes: `MOE_SIZES`), shared
+    with `gpu_moe.py`."""
     parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
-    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--policies", nargs="+", choices=policies, default=list(policies))
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per step (default: %(default)s)")
     parser.add_argument("--width", type=int, default=1024, help="model width (default: %(default)s)")
     parser.add_argument("--hidden", type=int, default=4096, help="each expert's hidden size (default: %(default)s)")
     parser.add_argument("--experts", type=int, default=8, help="(default: %(default)s)")
     parser.add_argument("--capacity", type=int, default=1024,
                         help="tokens per expert, einsum form (default: %(default)s: 2x an even share of 4096)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_moe_flags(parser, POLICIES)
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="the markdown table to write")
     args = parser.parse_args(argv)
-    harness.check_sizes(parser, args, ("tokens", "width", "hidden", "experts", "capacity"))
+    harness.check_sizes(parser, args, MOE_SIZES)
     harness.check_output(parser, "--out", args.out)
     try:
         sharding = h200_sharding()

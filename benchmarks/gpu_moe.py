@@ -28,11 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from benchmarks import harness  # noqa: E402
-from benchmarks.gpu_compile_moe import FORMS, make_net  # noqa: E402
+from benchmarks.gpu_compile_moe import MOE_SIZES, POLICIES, add_moe_flags, make_net  # noqa: E402
 from benchmarks.gpu_step import custom_calls  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_moe.md"
-POLICIES = ("bf16;autocast", "fp8-current", "fp8-current-pow2", "fp8-block")
 BASELINE = "bf16;autocast"
 
 
@@ -126,20 +125,13 @@ def report(rows: list[dict], args, argv) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
-    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per step (default: %(default)s)")
-    parser.add_argument("--width", type=int, default=1024, help="model width (default: %(default)s)")
-    parser.add_argument("--hidden", type=int, default=4096, help="each expert's hidden size (default: %(default)s)")
-    parser.add_argument("--experts", type=int, default=8, help="(default: %(default)s)")
-    parser.add_argument("--capacity", type=int, default=1024,
-                        help="tokens per expert, einsum form (default: %(default)s: 2x an even share of 4096)")
+    add_moe_flags(parser, POLICIES)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed window (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling (default: %(default)s)")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="the markdown table to write")
     args = parser.parse_args(argv)
-    harness.check_sizes(parser, args, ("tokens", "width", "hidden", "experts", "capacity", "rounds", "steps"))
+    harness.check_sizes(parser, args, (*MOE_SIZES, "rounds", "steps"))
     harness.check_output(parser, "--out", args.out)
     rows = []
     for form in args.forms:

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import source_info_util
 
-from jaxamp.autocast_rules import contracts_nothing, exclusion_names, selects, weight_path
+from jaxamp.autocast_rules import contracts_nothing, exclusion_names, moved_axis, selects, weight_path
 from jaxamp.autocasting import FLOAT32_RESULTS
 from jaxamp.fp8_recipes import FP8_EXCLUDE, FP8_SCOPE
 from jaxamp.gradients import check_loss_args, gradients
@@ -57,6 +57,8 @@ _LOGIT_PATH = ("add", "add_any", "sub", "mul", "div", "neg", "tanh", "convert_el
                "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice", "dynamic_slice",
                "select_n", "max", "min", "clamp", "copy", "copy_p", "name", "pad", "concatenate", "gather")
 # (`name`: `checkpoint_name`.)
+# `_Walk._forward_walk`'s "go on through this equation's outputs".
+_FOLLOW = "follow"
 # What picks an entry by its score: a nearest-neighbour (VQ codebook) search, a ranking.
 _SEARCHES = ("argmin", "argmax")
 # The copies of logits a softmax may take: a cast, a mask (`where=`).
@@ -442,6 +444,18 @@ class _Walk:
         """Whether every forward use of `var` ends in an `argmin` / `argmax` through elementwise and shape ops
         (`_LOGIT_PATH`) and call boundaries: a search's scores, which nothing else (the loss, another layer, an
         `exp`) takes. False past `limit` values."""
+        def decide(eqn):
+            name = eqn.primitive.name
+            if name in _SEARCHES or any(True for _ in _sub_jaxprs(eqn)):
+                return None  # (a call, loop or cond: its body's uses, through the "enter" links)
+            return _FOLLOW if name in _LOGIT_PATH else False
+
+        return self._forward_walk(var, decide, ("enter", "exit"), limit, exhausted=True)
+
+    def _forward_walk(self, var, decide, links: tuple, limit: int, exhausted: bool) -> bool:
+        """Walks the forward equations that use `var` and the values they make, across the `consumers` links named
+        in `links`: `decide(eqn)` gives the answer (a bool), `_FOLLOW` (go on through its outputs) or None (pass it
+        by). `exhausted` when nothing decided; the other answer past `limit` values."""
         seen, frontier = set(), [var]
         while frontier:
             v = frontier.pop()
@@ -449,16 +463,17 @@ class _Walk:
                 continue
             seen.add(id(v))
             if len(seen) > limit:
-                return False
-            frontier += [w for key in ("enter", "exit") for w in self.consumers.get((key, id(v)), [])]
+                return not exhausted
+            frontier += [w for key in links for w in self.consumers.get((key, id(v)), [])]
             for eqn in self.consumers.get(id(v), []):
-                name = eqn.primitive.name
-                if self.passes.get(id(eqn)) != "forward" or name in _SEARCHES or any(True for _ in _sub_jaxprs(eqn)):
-                    continue  # (a call, loop or cond: its body's uses, through the "enter" links)
-                if name not in _LOGIT_PATH:
-                    return False
-                frontier += [o for o in eqn.outvars if _is_var(o)]
-        return True
+                if self.passes.get(id(eqn)) != "forward":
+                    continue
+                verdict = decide(eqn)
+                if verdict is _FOLLOW:
+                    frontier += [o for o in eqn.outvars if _is_var(o)]
+                elif verdict is not None:
+                    return verdict
+        return exhausted
 
     def attends(self, var, depth: int = 10) -> bool:
         """Whether `var` reaches a forward matmul through other ops, at most `depth` values on: attention scores
@@ -657,22 +672,8 @@ class _Walk:
         its next trip (a scanned stack's block output feeds the next block's matmuls: its weights, a slice per
         trip, are every layer's, not an output layer's). True where the walk passes `limit` variables."""
         links = ("enter", "exit", "loop") if loop else ("enter", "exit")
-        seen, frontier = set(), [var]
-        while frontier:
-            v = frontier.pop()
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            if len(seen) > limit:
-                return True
-            frontier += [w for key in links for w in self.consumers.get((key, id(v)), [])]
-            for eqn in self.consumers.get(id(v), []):
-                if self.passes.get(id(eqn)) != "forward":
-                    continue
-                if eqn.primitive.name in _MATMULS:
-                    return True
-                frontier += [o for o in eqn.outvars if _is_var(o)]
-        return False
+        return self._forward_walk(var, lambda eqn: True if eqn.primitive.name in _MATMULS else _FOLLOW, links, limit,
+                                  exhausted=False)
 
     def per_trip(self, eqn, depth: int = 12) -> bool:
         """Whether an operand of the matmul `eqn` is a scan's per-trip slice (`sliced`), through casts, shape ops
@@ -735,7 +736,7 @@ class _Walk:
                 return None
             return next((a for a in (self._iota_axis(v, 4) for v in compare.invars) if a is not None), None)
         axis = self._one_hot_axis(maker.invars[0], depth - 1)
-        return None if axis is None else _moved_axis(maker, axis)
+        return None if axis is None else moved_axis(maker, axis)
 
     def _selects(self, eqn) -> bool:
         """Whether a matmul selects with a one-hot operand (`_one_hot_axis`): forward, contracted over its class
@@ -756,7 +757,7 @@ class _Walk:
         if maker.primitive.name not in ("broadcast_in_dim", "convert_element_type"):
             return None
         axis = self._iota_axis(maker.invars[0], depth - 1)
-        return None if axis is None else _moved_axis(maker, axis)
+        return None if axis is None else moved_axis(maker, axis)
 
     def _through_calls(self, var):
         """The variable `var` stands for across a call boundary (a call's output -> the inner program's output; an
@@ -767,25 +768,6 @@ class _Walk:
         if id(var) not in self.producer:
             return self.producer.get(("input", id(var)))
         return None
-
-
-def _moved_axis(eqn, axis: int) -> int | None:
-    """Where a shape op or cast `eqn` puts its input's `axis` in its output (None where a reshape or squeeze does
-    not keep it whole: the class axis of a one-hot, the counting axis of an iota)."""
-    name, before, after = eqn.primitive.name, eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-    if name in ("convert_element_type", "copy"):
-        return axis
-    if name == "transpose":
-        return list(eqn.params["permutation"]).index(axis)
-    if name == "broadcast_in_dim":
-        return eqn.params["broadcast_dimensions"][axis]
-    if name == "squeeze":
-        dropped = [d % len(before) for d in eqn.params["dimensions"]]
-        return None if axis in dropped else axis - sum(d < axis for d in dropped)
-    if name in ("reshape", "expand_dims") and axis == len(before) - 1 and before[-1:] == after[-1:] and \
-            eqn.params.get("dimensions") is None:
-        return len(after) - 1  # (the last axis kept whole and last)
-    return None
 
 
 def _is_var(v) -> bool:

@@ -44,6 +44,7 @@ __all__ = [
     "contracts_nothing",
     "exclusion_names",
     "frame_names",
+    "moved_axis",
     "scope_names",
     "selects",
     "weight_path",
@@ -491,6 +492,27 @@ _float32_result.defvjp(_float32_result_fwd, _float32_result_bwd, symbolic_zeros=
 _CALL_PRIMITIVES = ("jit", "pjit", "closed_call", "core_call")
 
 
+def moved_axis(eqn, axis: int) -> int | None:
+    """Where a shape op or cast `eqn` puts its input's `axis` in its output (the class axis of a one-hot, the
+    counting axis of an iota), or None where it does not keep that axis whole: casts and copies keep it, transposes
+    and broadcasts move it, a squeeze drops others, and a reshape keeps only a last axis that stays whole and last
+    (`lax.reshape(x, shape, dimensions=...)`, which transposes first, none)."""
+    name, before, after = eqn.primitive.name, eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+    if name in ("convert_element_type", "copy"):
+        return axis
+    if name == "transpose":
+        return list(eqn.params["permutation"]).index(axis)
+    if name == "broadcast_in_dim":
+        return eqn.params["broadcast_dimensions"][axis]
+    if name == "squeeze":
+        dropped = [d % len(before) for d in eqn.params["dimensions"]]
+        return None if axis in dropped else axis - sum(d < axis for d in dropped)
+    if name in ("reshape", "expand_dims") and axis == len(before) - 1 and before[-1:] == after[-1:] and \
+            eqn.params.get("dimensions") is None:
+        return len(after) - 1
+    return None
+
+
 def _iota_axis(var, makers: dict) -> int | None:
     """The axis along which `var` counts, where it is an `iota` (through `broadcast_in_dim`, which moves its axis,
     and `convert_element_type`), else None."""
@@ -502,7 +524,7 @@ def _iota_axis(var, makers: dict) -> int | None:
         if maker.primitive.name == "iota":
             axis = maker.params["dimension"]
             for step in reversed(chain):  # (broadcasts after the iota, innermost first)
-                axis = step.params["broadcast_dimensions"][axis] if step.primitive.name == "broadcast_in_dim" else axis
+                axis = moved_axis(step, axis)
             return axis
         if maker.primitive.name not in ("broadcast_in_dim", "convert_element_type") or \
                 isinstance(maker.invars[0], jex_core.Literal):
@@ -516,10 +538,10 @@ def one_hot_vars(jaxpr, depth: int = 3, seeds: dict | None = None) -> dict:
     """`{variable: class axis}` for the variables of `jaxpr` that hold a one-hot array, as `jax.nn.one_hot(ids, n,
     axis=a)` makes it: `convert_element_type(expand_dims(ids, a) == iota)` with the iota counting along the class
     axis, through casts, transposes (`one_hot(ids).T`: the axis moves), reshapes that keep a last class axis whole
-    and last, and the outputs of a call that returns one (`jax.nn.one_hot` is a jit), at most `depth` calls deep. A
-    mask or an adjacency matrix (a boolean from any other comparison) is not one. `seeds`: variables known to hold
-    one (a jitted, scanned or looped body's inputs that were one-hot where it was called) with their class axes,
-    and what the ops above make of them."""
+    and last (`moved_axis`), and the outputs of a call that returns one (`jax.nn.one_hot` is a jit), at most `depth`
+    calls deep. A mask or an adjacency matrix (a boolean from any other comparison) is not one. `seeds`: variables
+    known to hold one (a jitted, scanned or looped body's inputs that were one-hot where it was called) with their
+    class axes, and what the ops above make of them."""
     found, makers, hot = dict(seeds or {}), {}, {}
     for eqn in jaxpr.eqns:
         for out in eqn.outvars:
@@ -532,10 +554,10 @@ def one_hot_vars(jaxpr, depth: int = 3, seeds: dict | None = None) -> dict:
                 hot[eqn.outvars[0]] = axes[0]
         elif name == "convert_element_type" and ins and (ins[0] in hot or ins[0] in found):
             found[eqn.outvars[0]] = hot[ins[0]] if ins[0] in hot else found[ins[0]]
-        elif name == "transpose" and ins and ins[0] in found:
-            found[eqn.outvars[0]] = list(eqn.params["permutation"]).index(found[ins[0]])
-        elif name in ("reshape", "copy") and ins and ins[0] in found and _keeps_rows(eqn, found[ins[0]]):
-            found[eqn.outvars[0]] = eqn.outvars[0].aval.ndim - 1 if name == "reshape" else found[ins[0]]
+        elif name in ("transpose", "reshape", "copy") and ins and ins[0] in found:
+            axis = moved_axis(eqn, found[ins[0]])
+            if axis is not None:
+                found[eqn.outvars[0]] = axis
         elif name in _CALL_PRIMITIVES and depth > 1:
             body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             body = getattr(body, "jaxpr", body)
@@ -544,17 +566,6 @@ def one_hot_vars(jaxpr, depth: int = 3, seeds: dict | None = None) -> dict:
                 found.update((o, inner[i]) for o, i in zip(eqn.outvars, body.outvars)
                              if not isinstance(i, jex_core.Literal) and i in inner)
     return found
-
-
-def _keeps_rows(eqn, axis: int) -> bool:
-    """Whether a reshape (or copy) leaves each row along the class `axis` of its input whole and last (so a one-hot
-    stays one along its last axis): the class axis is last and keeps its size."""
-    before, after = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
-    if eqn.primitive.name == "copy":
-        return True
-    if not before or not after or axis != len(before) - 1 or before[-1] != after[-1]:
-        return False
-    return eqn.params.get("dimensions") is None  # (`lax.reshape(x, shape, dimensions=...)` transposes first)
 
 
 def selects(eqn, one_hot: Sequence[int | None]) -> list[bool]:
