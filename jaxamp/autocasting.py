@@ -561,15 +561,18 @@ def _scan_counts(params: dict) -> tuple[int, int]:
 
 
 def _while_rule(eqn, vals, mode: Mode, bounds=None, names=None, hot=None) -> list:
-    """while: `lax.while_loop` over interpreted cond and body; carries keep their original dtype (the body's consts
-    keep their param paths, and a one-hot among them stays one)."""
+    """while: `lax.while_loop` over interpreted cond and body; carries keep their original dtype (the cond's and the
+    body's consts keep their param paths, and a one-hot among them stays one)."""
     p = eqn.params
     cond_j, body_j, n_c, n_b = p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts, init = vals[:n_c], vals[n_c:n_c + n_b], vals[n_c + n_b:]
     targets = [mode.fixed_dtype(a.dtype) for a in body_j.in_avals[n_b:]]
-    body_names = None if names is None else [*names[n_c:n_c + n_b], *[None] * len(init)]
-    body_hot = None if hot is None else [*hot[n_c:n_c + n_b], *[None] * len(init)]
-    cond_fn, body_fn = _closed_fn(cond_j, mode), _closed_fn(body_j, mode, body_names, body_hot)
+
+    def consts_only(per_arg, start, stop):  # the consts' entries; the carries' None
+        return None if per_arg is None else [*per_arg[start:stop], *[None] * len(init)]
+
+    cond_fn = _closed_fn(cond_j, mode, consts_only(names, 0, n_c), consts_only(hot, 0, n_c))
+    body_fn = _closed_fn(body_j, mode, consts_only(names, n_c, n_c + n_b), consts_only(hot, n_c, n_c + n_b))
 
     def body(carry):
         return [strong_cast(c, t) for c, t in zip(body_fn(*body_consts, *carry), targets)]

@@ -1340,6 +1340,31 @@ def test_a_while_loops_cond_takes_its_own_consts_not_the_bodys():
         report.half_logits
 
 
+def test_a_matmul_in_a_while_loops_cond_names_its_param():
+    """A matmul against a param inside a `while_loop`'s cond (an early-exit test) is a weight matmul as one in the
+    body is: its row names the param (autocast carried param paths into the body's consts only; the cond's row
+    read an empty `weight`), so FP8 recipes take it as a weight matmul and `fp8_exclude` can name it."""
+    def loss(p, b, rng):
+        def cond(c):
+            return (jnp.sum(c[0] @ jax.lax.stop_gradient(p["v"])) < 10.0) & (c[1] < 5)
+
+        x, _ = jax.lax.while_loop(cond, lambda c: (c[0] * 1.1, c[1] + 1),
+                                  (jax.lax.stop_gradient(b["x"] @ p["w"]), 0))
+        return jnp.mean((x + b["x"] @ p["w"]) ** 2)
+
+    params = {"w": jnp.full((4, 4), 0.1), "v": jnp.full((4, 4), 0.1)}
+    line = inspect.getsourcelines(loss)[1] + 2  # the cond's matmul
+    for policy, dtype, fp8 in [("bf16;autocast", "bfloat16", None), ("fp8-current", "float8_e4m3fn", None),
+                               ("fp8-current;fp8_exclude+=^v$", "bfloat16", "^v$")]:
+        state = TrainState.create(params=params, tx=optax.sgd(0.1), policy=policy, loss_scale=NoOpLossScale(),
+                                  rng=jax.random.key(1))
+        rows = [r for r in precision_audit(state, {"x": jnp.ones((2, 4))}, loss).rows
+                if r["source"] == f"test_audit.py:{line}"]
+        assert [(r["weight"], r["pass"], r["lhs"], r["rhs"]) for r in rows] == [("v", "forward", dtype, dtype)], \
+            (policy, rows)
+        assert (rows[0].get("fp8_excluded_by") or None) == fp8, (policy, rows[0])
+
+
 def test_a_scanned_stack_without_a_head_is_no_output_layer():
     """`nn.scan` over residual MLP blocks, the loss on the stack's output: each block's output matmul feeds the next
     trip's. The audit called it an output layer (the carry's way back into the body was not followed) and its policy
