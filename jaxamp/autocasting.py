@@ -22,9 +22,11 @@ torch.amp. A primitive's class decides the dtype it computes in:
 | original | everything else (below) | inputs cast back to the dtypes of the original jaxpr, original params |
 
 What follows from the classes: softmax, log_softmax, logsumexp, layer/batch norms, means, variances and losses end
-in float32 ops, so they come out float32 (the elementwise ops before their first float32-class op, e.g. softmax's
-`x - max(x)` or a norm's `x - mean`, run in the input's dtype; a square is float32 class, as torch's `pow`, so a
-variance of float16 inputs above 256 does not overflow). A lookup in a float32 table stays float32, so its
+in float32 ops, so they come out float32. An elementwise `add`, `sub`, `mul`, `div`, `neg`, `max` or `min` whose
+result only float32-class ops read (`autocast_rules.upcast_eqns`) runs in float32 too: softmax's and log_softmax's
+`x - max(x)` before the exp, as torch.amp's softmax upcasts its input (the max itself stays in the input's dtype,
+where it is exact); other elementwise ops before a float32-class op run in the input's dtype. A square is float32
+class, as torch's `pow`, so a variance of float16 inputs above 256 does not overflow. A lookup in a float32 table stays float32, so its
 gradient is a float32 scatter-add; `bf16_activation + f32_bias` is float32, so the bias gradient sums in float32.
 
 Casts and constants:
@@ -396,11 +398,14 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
         env[var], bound[var], named[var] = val, b, n
     seeds = {v: axis for v, axis in zip(jaxpr.invars, arg_hot or ()) if axis is not None}
     one_hot = {} if mode.reference else rules.one_hot_vars(jaxpr, seeds=seeds)
+    upcast = set() if mode.reference else rules.upcast_eqns(jaxpr)
     for eqn in jaxpr.eqns:
         vals, bounds = [read(v) for v in eqn.invars], [read_bound(v) for v in eqn.invars]
         names = [None if isinstance(v, jex_core.Literal) else named.get(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         rule, extra = _rule(eqn, mode), {}
+        if id(eqn) in upcast and rule is rules.widest_rule:  # only float32 reads it: softmax's x - max(x)
+            rule = rules.float32_rule
         if rule in _NAMED_RULES and any(names):
             extra = {"names": names}
         hot = [None if isinstance(v, jex_core.Literal) else one_hot.get(v) for v in eqn.invars] if one_hot else []
