@@ -892,15 +892,17 @@ class PrecisionReport:
                      f"fp8_exclude ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
         head_in_fp8 = not excluded and bool(self.fp8_fraction and self.fp8_exclude) and not self.logits_note()
         if head_in_fp8:
-            text += ("; fp8_exclude kept no matmul out of FP8 (an output head without a usual name runs in FP8: "
-                     "name it in fp8_exclude or wrap it in jax.named_scope('head'))")
+            text += ("; fp8_exclude kept no matmul out of FP8 (the audit found no output head in FP8; one it "
+                     "missed, under another name: name it in fp8_exclude or wrap it in jax.named_scope('head'))")
         if self.fp8_unused_added:
             text += f"; fp8_exclude patterns that match no matmul: {', '.join(self.fp8_unused_added)}"
         if not head_in_fp8:  # (a head in FP8 writes no float32 logits either: the FP8 note says so)
             text += self._float32_results_note()
         if self.fallbacks:
-            worst = max(self.fallbacks, key=lambda r: r["flops"])
-            text += f"; {sum(r['trips'] for r in self.fallbacks)} in float32, largest at {worst['source']}"
+            source, flops = _costliest_source(self.fallbacks)
+            share = 100 * flops / (sum(r["flops"] for r in self.rows) or 1)
+            text += (f"; {sum(r['trips'] for r in self.fallbacks)} in float32, the most FLOPs at {source} "
+                     f"({share:.1f}% of all)")
         if self.half_accumulations:
             worst = max(self.half_accumulations, key=lambda r: r["size"])
             text += (f"; {len(self.half_accumulations)} half-precision sums past the format's limit, largest "
@@ -1051,6 +1053,15 @@ def _add_pattern(policy: str, rule: str, pattern: str) -> str:
             parts[i] = f"{part},{pattern}" if patterns.strip() else part + pattern
             return ";".join(parts)
     return f"{policy};{rule}+={pattern}"
+
+
+def _costliest_source(rows: list[dict]) -> tuple[str, float]:
+    """The `source` whose rows add up to the most FLOPs (each row's `flops` counts its trips), and those FLOPs: a
+    layer called in every block outweighs one large matmul elsewhere, as the table's grouped lines show."""
+    totals: dict = {}
+    for r in rows:
+        totals[r["source"]] = totals.get(r["source"], 0) + r["flops"]
+    return max(totals.items(), key=lambda kv: kv[1])
 
 
 def _flops_text(flops: float) -> str:
@@ -1252,10 +1263,10 @@ def warn_if_degraded(report: PrecisionReport, *, threshold: float = 0.9, where: 
         return False
     problems = []
     if report.half_fraction < threshold:
-        worst = max(report.fallbacks, key=lambda r: r["flops"]) if report.fallbacks else None
+        source = _costliest_source(report.fallbacks)[0] if report.fallbacks else None
         problems.append(f"only {100 * report.half_fraction:.1f}% of its matmul FLOPs run in half precision"
-                        + (f" (largest float32 matmul at {worst['source']}; first fall-back: "
-                           f"{report.fallbacks[0]['cause']})" if worst else ""))
+                        + (f" (the most float32 matmul FLOPs at {source}; first fall-back: "
+                           f"{report.fallbacks[0]['cause']})" if source else ""))
     if report.half_accumulations:
         worst = max(report.half_accumulations, key=lambda r: r["size"])
         problems.append(f"{len(report.half_accumulations)} sums in half precision add more values than "

@@ -760,3 +760,28 @@ def test_learned_queries_and_relative_position_terms_stay_out_of_fp8():
     rows = precision_audit(state, {"x": jax.random.normal(jax.random.key(4), (2, 8, 16))}, loss).rows
     forward = sorted((r["weight"] or "-", r["lhs"]) for r in rows if r["pass"] == "forward")
     assert forward == [("-", "bfloat16"), ("rel", "bfloat16"), ("wk", "float8_e4m3fn")], forward
+
+
+def test_no_head_in_fp8_is_claimed_where_the_output_layer_is_a_convolution():
+    """A denoiser whose output layer is a convolution (a diffusion UNet's `conv_out`: convolutions keep bf16 under
+    the stateless recipes) with Dense layers in FP8: the summary said "an output head without a usual name runs in
+    FP8". It now says the audit found none, and how to name one it missed."""
+    class Denoiser(nn.Module):
+        @nn.compact
+        def __call__(self, x):  # f32[batch, 8, 8, 4]
+            h = nn.Dense(32)(x)  # FP8 under fp8-current
+            return nn.Conv(4, (3, 3), name="conv_out")(jax.nn.silu(h))  # the output layer: bf16
+
+    x = jax.random.normal(jax.random.key(0), (4, 8, 8, 4))
+    params = Denoiser().init(jax.random.key(1), x)["params"]
+
+    def mse(p, b, rng):
+        return jnp.mean((Denoiser().apply({"params": p}, b["x"]) - b["eps"]) ** 2)
+
+    state = TrainState.create(params=params, tx=optax.adam(1e-3), policy="fp8-current", loss_scale=NoOpLossScale(),
+                              rng=jax.random.key(2))
+    report = precision_audit(state, {"x": x, "eps": x * 0.5}, mse)
+    assert report.fp8_fraction > 0 and not report.half_logits, report.half_logits
+    summary = report.summary()
+    assert "the audit found no output head in FP8; one it missed, under another name: name it" in summary, summary
+    assert "runs in FP8:" not in summary, summary
