@@ -51,6 +51,8 @@ from jaxamp.fidelity import fidelity_report  # noqa: E402
 
 DEFAULT_OUT = harness.RESULTS / "autocast_models.md"
 AUDIT_OUT = harness.RESULTS / "autocast_models_audit.md"
+# The options every trial is built with: {"batch": n} under --batch (the trials' own: 4 sequences or images).
+TRIAL_OPTIONS: dict = {}
 POLICIES = {"bf16;autocast": lambda: jaxamp.NoOpLossScale(), "fp16;autocast": lambda: jaxamp.DynamicLossScale(2.0**15)}
 
 
@@ -58,7 +60,7 @@ class Runner:
     """One trial under one policy: an optimizer state, a step, the audit and the fidelity report."""
 
     def __init__(self, name: str, policy: str, loss_scale, rounded_to=None, rounding_key=None):
-        self.trial = TRIALS[name]()
+        self.trial = TRIALS[name](**TRIAL_OPTIONS)
         if rounded_to is not None:
             self._round(rounded_to, rounding_key)
         self.policy, self.tx = policy, optax.adam(1e-3)
@@ -193,8 +195,7 @@ def measure(name: str, steps: int, noise_samples: int, seeds: int) -> dict:
     for policy, loss_scale in POLICIES.items():
         runner = Runner(name, policy, loss_scale())
         audit, grads = runner.audit(), gradient_row(runner.fidelity())
-        grads["per_seed"] = [grads["within"], *(gradient_row(runner.fidelity(seed=k))["within"]
-                                                for k in range(1, seeds))]
+        grads["per_seed"] = [dict(grads), *(gradient_row(runner.fidelity(seed=k)) for k in range(1, seeds))]
         mixed = runner.losses(steps)
         gaps = [loss_gap(mixed, reference(0, runner.skipped))]
         for k in range(1, seeds):  # the same pair of runs on other draws of the data
@@ -230,6 +231,13 @@ def noise_cells(gap: float, noise: float) -> list[str]:
     return [f"{ratio:.3f}", "yes" if ratio <= 1.5 else "no"]
 
 
+def batch_words() -> str:
+    """The batches the runs took, for a report's header: the trials' own, or `--batch`'s."""
+    if "batch" not in TRIAL_OPTIONS:
+        return "the trials' own batches (4 sequences or images)"
+    return f"batches of {TRIAL_OPTIONS['batch']} sequences or images (--batch; the trials' own: 4)"
+
+
 def header(argv) -> list[str]:
     return ["# Autocast on six outside model codebases (model code unchanged)", "",
             f"- command: `{harness.command_line(__file__, argv)}`", f"- machine: {harness.machine()}",
@@ -253,7 +261,7 @@ def audit_lines(rows: dict) -> list[str]:
 def report(rows: dict, steps: int, argv) -> str:
     n_spread = max((len(r["spread"]) for r in rows.values()), default=0)
     n_seeds = max((len(p["seed_gaps"]) for r in rows.values() for p in r["policies"].values()), default=0)
-    lines = [*header(argv), f"- {steps} training steps per run; Adam 1e-3; the trials' own batches", "",
+    lines = [*header(argv), f"- {steps} training steps per run; Adam 1e-3; {batch_words()}", "",
              *audit_lines(rows)]
     lines += ["", "## Gradients against float32", ""]
     table = [[name, policy, f"{p['grads']['within']}/{p['grads']['counted']}", str(p["grads"]["near_zero"]),
@@ -263,8 +271,8 @@ def report(rows: dict, steps: int, argv) -> str:
                             "worst leaf (error / its noise floor)", "leaves within, per data seed"], table,
                            "llrrlr")
     lines += ["", "The noise floor of a leaf: its float32 gradient at the weights rounded once to bfloat16, "
-              "against the float32 gradient. Batches are the trials' tiny ones (4 sequences or images), so per-leaf "
-              "errors of ill-conditioned models (BatchNorm at init) are large even for float32 rounding. The last "
+              "against the float32 gradient. On the trials' tiny batches (4 sequences or images) per-leaf errors of "
+              "ill-conditioned models (BatchNorm at init) are large even for float32 rounding. The last "
               f"column: the same count on {n_seeds} batches (seed 0 the trial's own, seed k the first batch of data "
               "draw k below), each with its own noise floors.",
               "", f"## {steps} steps against float32's own noise", ""]
@@ -295,8 +303,12 @@ def report(rows: dict, steps: int, argv) -> str:
 
 
 def seed_counts(grads: dict) -> str:
-    """The leaves within their bound on each data seed's batch, e.g. "26 14 16"."""
-    return " ".join(map(str, grads.get("per_seed", []))) or "-"
+    """The leaves within their bound on each data seed's batch (`gradient_row`s), e.g. "26 14 16"; as "within/counted"
+    each ("9/10 12/14") where the leaves counted differ between the batches (which leaves are near zero moves)."""
+    rows = grads.get("per_seed", [])
+    if len({r["counted"] for r in rows}) <= 1:
+        return " ".join(str(r["within"]) for r in rows) or "-"
+    return " ".join(f"{r['within']}/{r['counted']}" for r in rows)
 
 
 def skipped_cell(p: dict) -> str:
@@ -345,6 +357,14 @@ def _loss_scale_for(policy: str):
     return (lambda: jaxamp.DynamicLossScale(2.0**15)) if fp16 else (lambda: jaxamp.NoOpLossScale())
 
 
+def set_batch(parser, batch: int | None) -> None:
+    """`--batch`: every trial built with `batch` sequences or images (a positive int); None keeps the trials' own."""
+    if batch is not None and batch < 1:
+        parser.error(f"--batch {batch}: give a positive number of sequences or images per batch")
+    TRIAL_OPTIONS.clear()
+    TRIAL_OPTIONS.update({} if batch is None else {"batch": batch})
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", nargs="*", default=list(TRIALS), choices=list(TRIALS))
@@ -357,11 +377,14 @@ def main(argv=None) -> int:
     parser.add_argument("--policies", nargs="*", default=None,
                         help="the mixed policies to run instead of bf16;autocast and fp16;autocast (a float16 one with "
                              "a dynamic loss scale from 2^15), e.g. 'bf16;autocast;float32_results=.'")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="sequences or images per batch, for every trial (default: the trials' own, 4)")
     parser.add_argument("--audit-only", action="store_true",
                         help=f"only the audit's table (traced, nothing run), to {AUDIT_OUT.name} by default")
     parser.add_argument("--out", default=None, help=f"markdown file (default: {DEFAULT_OUT.name})")
     args = parser.parse_args(argv)
     args.out = args.out or str(AUDIT_OUT if args.audit_only else DEFAULT_OUT)
+    set_batch(parser, args.batch)
     harness.check_output(parser, "--out", args.out)
     if args.policies:
         POLICIES.clear()

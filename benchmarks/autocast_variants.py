@@ -52,11 +52,14 @@ import jaxamp  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.autocast_models import (  # noqa: E402
     Runner,
+    batch_words,
     each_trial,
     gradient_row,
     loss_gap,
     noise_cells,
     seed_cells,
+    seed_counts,
+    set_batch,
     worst_cell,
 )
 from jaxamp import autocast_rules  # noqa: E402
@@ -152,8 +155,7 @@ def measure(name: str, steps: int, seeds: int) -> dict:
         with variant(v):
             runner = Runner(name, POLICY, jaxamp.NoOpLossScale())
             fidelity = runner.fidelity()
-            per_seed = [gradient_row(fidelity)["within"],
-                        *(gradient_row(runner.fidelity(seed=k))["within"] for k in range(1, seeds))]
+            per_seed = [gradient_row(fidelity), *(gradient_row(runner.fidelity(seed=k)) for k in range(1, seeds))]
             gaps = [loss_gap((runner if k == 0 else Runner(name, POLICY, jaxamp.NoOpLossScale())).losses(
                 steps, seed=k), fp32[k]) for k in draws]  # each draw from the weights at init
         rows[v] = {"grads": gradient_row(fidelity), "gap": gaps[0], "noise": noise[0],
@@ -181,13 +183,13 @@ def outside_lines(rows: dict) -> list[str]:
 def report(rows: dict, steps: int, argv) -> str:
     lines = ["# bf16 autocast and three matmul rules that round less (numerics only)", "",
              f"- command: `{harness.command_line(__file__, argv)}`", f"- machine: {harness.machine()}",
-             f"- date: {harness.now()}", f"- policy {POLICY}; {steps} training steps per run; Adam 1e-3; the trials' "
-             "own batches (autocast_models.py's yardsticks)", ""]
+             f"- date: {harness.now()}", f"- policy {POLICY}; {steps} training steps per run; Adam 1e-3; "
+             f"{batch_words()} (autocast_models.py's yardsticks)", ""]
     table = []
     for name, variants in rows.items():
         for v, p in variants.items():
             g = p["grads"]
-            table.append([name, v, f"{g['within']}/{g['counted']}", " ".join(map(str, p["per_seed"])),
+            table.append([name, v, f"{g['within']}/{g['counted']}", seed_counts({"per_seed": p["per_seed"]}),
                           worst_cell(g), f"{p['gap']:.2e}", f"{p['noise']:.2e}", *noise_cells(p["gap"], p["noise"]),
                           *seed_cells(p["seed_gaps"], p["seed_noise"])[:3]])
     lines += harness.table(["model", "matmul rule", "leaves within max(2%, 1.5x floor)", "per data seed",
@@ -217,9 +219,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=5,
                         help="batches the per-leaf count is taken on and draws of the data the loss gap is taken "
                              "on, the trial's own first (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="sequences or images per batch, for every trial (default: the trials' own, 4)")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
     harness.check_output(parser, "--out", args.out)
+    set_batch(parser, args.batch)
     rows = each_trial(args.trials, lambda name: measure(name, args.steps, args.seeds))
     harness.write_report(args.out, report(rows, args.steps, argv if argv is not None else sys.argv[1:]))
     return 0

@@ -887,6 +887,40 @@ def test_autocast_models_audit_only_writes_the_audits_table_alone(monkeypatch, t
     assert "## Gradients" not in text and "steps against" not in text
 
 
+def test_autocast_models_batch_option_builds_every_trial_at_that_size(monkeypatch, tmp_path, capsys):
+    """`--batch N` builds every trial with N sequences or images (`TRIALS[name](batch=N)`) and says so in the report's
+    header; without it the trials' own; a size below 1 is refused in one line."""
+    import benchmarks.autocast_models as am
+
+    built = []
+    monkeypatch.setattr(am, "TRIALS", {"gpt2_hf": lambda **options: built.append(options) or pytest.skip("built")})
+    monkeypatch.setattr(am, "each_trial", lambda names, measure: {"seen": dict(am.TRIAL_OPTIONS)})
+    monkeypatch.setattr(am, "report", lambda rows, steps, argv: f"{rows} {am.batch_words()}")
+    for argv, options, words in [(["--batch", "32"], {"batch": 32}, "batches of 32 sequences or images"),
+                                 ([], {}, "the trials' own batches (4 sequences or images)")]:
+        out = tmp_path / "m.md"
+        assert am.main(["--trials", "gpt2_hf", *argv, "--out", str(out)]) == 0
+        assert out.read_text().startswith(f"{{'seen': {options}}} {words}"), out.read_text()
+        with pytest.raises(pytest.skip.Exception):
+            am.Runner("gpt2_hf", "fp32", jaxamp.NoOpLossScale())
+        assert built.pop() == options
+    with pytest.raises(SystemExit):
+        am.main(["--batch", "0", "--out", str(tmp_path / "z.md")])
+    assert "--batch 0: give a positive number of sequences or images per batch" in capsys.readouterr().err
+    assert not (tmp_path / "z.md").exists()
+
+
+def test_autocast_models_seed_counts_show_the_leaves_counted_where_they_differ():
+    """The per-seed leaf counts: "26 14" where each batch counts the same leaves, "9/10 12/14" where the near-zero
+    leaves (not counted) differ between the batches (a ResNet at 32 images: 10 to 14 counted)."""
+    from benchmarks.autocast_models import seed_counts
+
+    rows = lambda *pairs: {"per_seed": [{"within": w, "counted": c} for w, c in pairs]}  # noqa: E731
+    assert seed_counts(rows((26, 29), (14, 29))) == "26 14"
+    assert seed_counts(rows((9, 10), (12, 14))) == "9/10 12/14"
+    assert seed_counts({}) == "-"
+
+
 def test_autocast_models_runs_the_policies_it_is_given(monkeypatch, tmp_path):
     """`--policies` replaces bf16;autocast and fp16;autocast (a float16 policy with a dynamic scale from 2^15)."""
     import benchmarks.autocast_models as am

@@ -81,6 +81,22 @@ def test_builds(name):
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(again)))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TRIALS))
+def test_batch_option_sizes_every_array_of_the_batch(name):
+    """`TRIALS[name](batch=6)` (benchmarks' `--batch`): every batch array's leading axis is 6 where the default
+    trial's is 4 (imagenet's `batch_stats` are the model's, not the batch's), the rest of each shape the same."""
+    default = built(name).make_batch(jax.random.key(0))
+    six = TRIALS[name](batch=6).make_batch(jax.random.key(0))
+    assert jax.tree.structure(six) == jax.tree.structure(default)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(default), jax.tree.leaves(six)):
+        where = jax.tree_util.keystr(path)
+        if "batch_stats" in where or "dropout_key" in where:  # not per example
+            assert a.shape == b.shape, (where, a.shape, b.shape)
+        else:
+            assert (a.shape[0], b.shape[0], a.shape[1:]) == (4, 6, b.shape[1:]), (where, a.shape, b.shape)
+
+
 def train_three_steps(trial) -> list[float]:
     """Three fp32 steps on one batch; returns the losses. imagenet's batch_stats go from each step's aux into the
     next batch."""

@@ -1,7 +1,8 @@
 """Six public model codebases, their model code unchanged, as trials for jaxamp's tests and benchmarks.
 
-`TRIALS[name]()` builds a `Trial` (see `trial.py`): the model at a tiny size with float32 params, `make_batch(key)`,
-and the loss in jaxamp's form, written as the codebase's own training script writes it.
+`TRIALS[name]()` builds a `Trial` (see `trial.py`): the model at a tiny size with float32 params, `make_batch(key)`
+(4 sequences or images; `TRIALS[name](batch=32)` for 32), and the loss in jaxamp's form, written as the codebase's
+own training script writes it.
 
 | name | kind | model | code from |
 | --- | --- | --- | --- |
@@ -32,43 +33,43 @@ from .sources import SourceUnavailable
 from .trial import Trial
 
 
-def _lm1b() -> Trial:
+def _lm1b(**options) -> Trial:
     from . import lm1b
 
-    return lm1b.trial()
+    return lm1b.trial(**options)
 
 
-def _imagenet() -> Trial:
+def _imagenet(**options) -> Trial:
     from . import imagenet
 
-    return imagenet.trial()
+    return imagenet.trial(**options)
 
 
-def _gemma() -> Trial:
+def _gemma(**options) -> Trial:
     from . import gemma
 
-    return gemma.trial()
+    return gemma.trial(**options)
 
 
-def _mnist() -> Trial:
+def _mnist(**options) -> Trial:
     from . import mnist_cnn
 
-    return mnist_cnn.trial()
+    return mnist_cnn.trial(**options)
 
 
-def _esm2() -> Trial:
+def _esm2(**options) -> Trial:
     from . import esm2
 
-    return esm2.trial()
+    return esm2.trial(**options)
 
 
-def _gpt2() -> Trial:
+def _gpt2(**options) -> Trial:
     from . import gpt2
 
-    return gpt2.trial()
+    return gpt2.trial(**options)
 
 
-TRIALS: dict[str, Callable[[], Trial]] = {
+TRIALS: dict[str, Callable[..., Trial]] = {
     "lm1b": _lm1b,
     "imagenet_resnet": _imagenet,
     "gemma_nnx": _gemma,

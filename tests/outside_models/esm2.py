@@ -29,6 +29,8 @@ eqx.is_inexact_array)`; the loss `eqx.combine`s them with the static half.
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -41,18 +43,18 @@ LENGTH, BATCH = 16, 4
 _RESIDUES = "LAGVSERTIDPKQNFYMHWC"
 
 
-def make_batch(key):
-    """{"tokens": i32[4, 16] with masks, "labels": i32[4, 16] the unmasked tokens, "weights": f32[4, 16]}."""
+def make_batch(key, batch: int = BATCH):
+    """{"tokens": i32[B, 16] with masks, "labels": i32[B, 16] the unmasked tokens, "weights": f32[B, 16]}."""
     import esm2quinox
 
     alphabet = esm2quinox._esm2._alphabet  # pylint: disable=protected-access
     rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
     proteins = ["".join(rng.choice(list(_RESIDUES), size=int(rng.integers(6, LENGTH - 1))))
-                for _ in range(BATCH)]
+                for _ in range(batch)]
     labels = np.asarray(esm2quinox.tokenise(proteins, length=LENGTH), np.int32)
     residue = labels >= alphabet["L"]  # not BOS/EOS/pad/unknown
     masked = residue & (rng.random(labels.shape) < 0.15)
-    for row in range(BATCH):  # at least one masked residue per sequence
+    for row in range(batch):  # at least one masked residue per sequence
         if not masked[row].any():
             masked[row, rng.choice(np.flatnonzero(residue[row]))] = True
     tokens = np.where(masked, alphabet["#"], labels).astype(np.int32)
@@ -60,7 +62,7 @@ def make_batch(key):
             "weights": jnp.asarray(masked, jnp.float32)}
 
 
-def trial() -> Trial:
+def trial(batch: int = BATCH) -> Trial:
     import esm2quinox
 
     model = esm2quinox.ESM2(num_layers=2, embed_size=32, num_heads=2, token_dropout=True, key=jax.random.key(0))
@@ -75,7 +77,8 @@ def trial() -> Trial:
         return jnp.sum(loss * batch["weights"]) / jnp.sum(batch["weights"])
 
     return Trial(
-        name="esm2_equinox", kind="equinox", model=model, params=params, static=static, make_batch=make_batch,
+        name="esm2_equinox", kind="equinox", model=model, params=params, static=static,
+        make_batch=functools.partial(make_batch, batch=batch),
         loss_fn=loss_fn,
         source=f"esm2quinox {_version('esm2quinox')} (PyPI), equinox {_version('equinox')}; Apache-2.0",
         precision="no dtype option: params in Equinox's default float dtype (float32); LayerNorm and attention "

@@ -27,6 +27,8 @@ positions from `build_positions_from_mask` (train.py gets them from packing).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,17 +50,17 @@ def _modules():
     return transformer, train["compute_weighted_cross_entropy"]
 
 
-def make_batch(key):
-    """{"inputs", "targets"}: int32[4, 16], 0-padded at the end; targets are inputs shifted left by one."""
+def make_batch(key, batch: int = BATCH):
+    """{"inputs", "targets"}: int32[B, 16], 0-padded at the end; targets are inputs shifted left by one."""
     k_ids, k_len = jax.random.split(key)
-    ids = jax.random.randint(k_ids, (BATCH, LENGTH), 1, VOCAB, dtype=jnp.int32)
-    lengths = jax.random.randint(k_len, (BATCH, 1), LENGTH // 2, LENGTH + 1)
+    ids = jax.random.randint(k_ids, (batch, LENGTH), 1, VOCAB, dtype=jnp.int32)
+    lengths = jax.random.randint(k_len, (batch, 1), LENGTH // 2, LENGTH + 1)
     inputs = jnp.where(jnp.arange(LENGTH)[None, :] < lengths, ids, PAD_ID)
     targets = jnp.pad(inputs[:, 1:], [(0, 0), (0, 1)], constant_values=PAD_ID)
     return {"inputs": inputs, "targets": targets}
 
 
-def trial() -> Trial:
+def trial(batch: int = BATCH) -> Trial:
     transformer_lib, compute_weighted_cross_entropy = _modules()
     attention_type = transformer_lib.modules.AttentionType.GLOBAL
     config = transformer_lib.TransformerConfig.from_dict(
@@ -87,7 +89,8 @@ def trial() -> Trial:
             return mean_loss, (loss_per_sample, logits)
 
     return Trial(
-        name="gemma_nnx", kind="nnx", model=model, make_batch=make_batch, loss_fn=loss_fn,
+        name="gemma_nnx", kind="nnx", model=model,
+        make_batch=functools.partial(make_batch, batch=batch), loss_fn=loss_fn,
         source=f"flax {sources.flax_version()} sdist: examples/gemma/*.py (+ train.py's loss); Apache-2.0",
         precision="TransformerConfig.dtype (activations) and .weight_dtype (params), both float32 here "
                   "(train.py: dtype bfloat16 if use_bfloat16); RMSNorm in float32; softmax probs cast to k's dtype",

@@ -26,6 +26,7 @@ dropout_rng=rng, train=True)[0]`; the labels are read from the batch, not popped
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 
 import jax
@@ -38,13 +39,13 @@ from .trial import Trial
 VOCAB, LENGTH, BATCH = 256, 16, 4
 
 
-def make_batch(key):
-    """{"input_ids": i32[4, 16], "attention_mask": i32[4, 16] (ones), "labels": i32[4, 16] (= input_ids)}."""
-    ids = jax.random.randint(key, (BATCH, LENGTH), 0, VOCAB, dtype=jnp.int32)
+def make_batch(key, batch: int = BATCH):
+    """{"input_ids": i32[B, 16], "attention_mask": i32[B, 16] (ones), "labels": i32[B, 16] (= input_ids)}."""
+    ids = jax.random.randint(key, (batch, LENGTH), 0, VOCAB, dtype=jnp.int32)
     return {"input_ids": ids, "attention_mask": jnp.ones_like(ids), "labels": ids}
 
 
-def trial() -> Trial:
+def trial(batch: int = BATCH) -> Trial:
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
     config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2, n_inner=None)
@@ -69,7 +70,8 @@ def trial() -> Trial:
             return loss.mean()
 
     return Trial(
-        name="gpt2_hf", kind="hf", model=model, params=params, make_batch=make_batch, loss_fn=loss_fn,
+        name="gpt2_hf", kind="hf", model=model, params=params,
+        make_batch=functools.partial(make_batch, batch=batch), loss_fn=loss_fn,
         source=f"transformers {importlib.metadata.version('transformers')} (PyPI): FlaxGPT2LMHeadModel; Apache-2.0",
         precision="model dtype= argument (float32 here) casts inputs, kernels, biases in every FlaxConv1D, Embed, "
                   "LayerNorm, attention softmax; params float32 (to_bf16/to_fp16 to cast them)",

@@ -52,7 +52,7 @@ def _modules():
     return models, train["cross_entropy_loss"]
 
 
-def trial() -> Trial:
+def trial(batch: int = BATCH) -> Trial:
     models, cross_entropy_loss = _modules()
     model = models.ResNet(stage_sizes=[1, 1], block_cls=models.ResNetBlock, num_classes=NUM_CLASSES,
                           num_filters=8, dtype=jnp.float32)
@@ -61,10 +61,10 @@ def trial() -> Trial:
     params, batch_stats = variables["params"], variables["batch_stats"]
 
     def make_batch(key):
-        """{"image": f32[4, 8, 8, 3], "label": i32[4], "batch_stats": the model's initial statistics}."""
+        """{"image": f32[batch, 8, 8, 3], "label": i32[batch], "batch_stats": the model's initial statistics}."""
         k_img, k_lab = jax.random.split(key)
-        return {"image": jax.random.normal(k_img, (BATCH, SIZE, SIZE, 3), jnp.float32),
-                "label": jax.random.randint(k_lab, (BATCH,), 0, NUM_CLASSES, dtype=jnp.int32),
+        return {"image": jax.random.normal(k_img, (batch, SIZE, SIZE, 3), jnp.float32),
+                "label": jax.random.randint(k_lab, (batch,), 0, NUM_CLASSES, dtype=jnp.int32),
                 "batch_stats": batch_stats}
 
     def loss_fn(params, batch, rng):

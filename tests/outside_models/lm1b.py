@@ -23,6 +23,8 @@ lm1b's `utils.setup_initial_state` does.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,15 +45,15 @@ def _modules():
     return models, train["compute_weighted_cross_entropy"]
 
 
-def make_batch(key):
+def make_batch(key, batch: int = BATCH):
     """lm1b's train batch: {"inputs": int32[batch, length]}, ids >= 1, zero padding at the end of each row."""
     k_ids, k_len = jax.random.split(key)
-    ids = jax.random.randint(k_ids, (BATCH, LENGTH), 1, VOCAB, dtype=jnp.int32)
-    lengths = jax.random.randint(k_len, (BATCH, 1), LENGTH // 2, LENGTH + 1)
+    ids = jax.random.randint(k_ids, (batch, LENGTH), 1, VOCAB, dtype=jnp.int32)
+    lengths = jax.random.randint(k_len, (batch, 1), LENGTH // 2, LENGTH + 1)
     return {"inputs": jnp.where(jnp.arange(LENGTH)[None, :] < lengths, ids, 0)}
 
 
-def trial() -> Trial:
+def trial(batch: int = BATCH) -> Trial:
     models, compute_weighted_cross_entropy = _modules()
     config = models.TransformerConfig(
         vocab_size=VOCAB, output_vocab_size=VOCAB, logits_via_embedding=False, dtype=jnp.float32,
@@ -76,7 +78,8 @@ def trial() -> Trial:
         return mean_loss, logits
 
     return Trial(
-        name="lm1b", kind="linen", model=model, params=params, make_batch=make_batch, loss_fn=loss_fn,
+        name="lm1b", kind="linen", model=model, params=params,
+        make_batch=functools.partial(make_batch, batch=batch), loss_fn=loss_fn,
         source=f"flax {sources.flax_version()} sdist: examples/lm1b/models.py (+ train.py's loss); Apache-2.0",
         precision="TransformerConfig.dtype (float32 here; train.py: bfloat16 if use_bfloat16) on every layer; "
                   "params float32; nn.Embed without dtype; LayerNorm statistics float32",

@@ -25,6 +25,8 @@ key comes in the batch (`batch["dropout_key"]`, new per `make_batch(key)`) and t
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -43,15 +45,15 @@ def _tutorial():
     return ns["CNN"], ns["loss_fn"]
 
 
-def make_batch(key):
-    """{"image": f32[4, 28, 28, 1] in [0, 1] (the tutorial's /255 scaling), "label": i32[4], "dropout_key": u32[2]}."""
+def make_batch(key, batch: int = BATCH):
+    """{"image": f32[B, 28, 28, 1] in [0, 1] (the tutorial's /255 scaling), "label": i32[B], "dropout_key": u32[2]}."""
     k_img, k_lab, k_drop = jax.random.split(key, 3)
-    return {"image": jax.random.uniform(k_img, (BATCH, 28, 28, 1), jnp.float32),
-            "label": jax.random.randint(k_lab, (BATCH,), 0, 10, dtype=jnp.int32),
+    return {"image": jax.random.uniform(k_img, (batch, 28, 28, 1), jnp.float32),
+            "label": jax.random.randint(k_lab, (batch,), 0, 10, dtype=jnp.int32),
             "dropout_key": jax.random.key_data(k_drop)}
 
 
-def trial() -> Trial:
+def trial(batch: int = BATCH) -> Trial:
     CNN, tutorial_loss_fn = _tutorial()
     model = CNN(rngs=nnx.Rngs(0))
     train_model = nnx.view(model, deterministic=False, use_running_average=False)
@@ -66,7 +68,8 @@ def trial() -> Trial:
             return tutorial_loss_fn(model, batch, nnx.Rngs(batch["dropout_key"]))
 
     return Trial(
-        name="mnist_cnn_nnx", kind="nnx", model=train_model, make_batch=make_batch, loss_fn=loss_fn,
+        name="mnist_cnn_nnx", kind="nnx", model=train_model,
+        make_batch=functools.partial(make_batch, batch=batch), loss_fn=loss_fn,
         source=f"flax {sources.flax_version()} sdist: docs_nnx/mnist_tutorial.md (class CNN, loss_fn); Apache-2.0",
         precision="none set: no dtype/param_dtype; Conv/Linear compute in promote(input, kernel); BatchNorm "
                   "without dtype returns float32; BatchStat float32",
