@@ -634,7 +634,13 @@ def float32_rule(eqn, vals, mode: Mode, bounds=None) -> list:
 
 def integer_pow_rule(eqn, vals, mode: Mode, bounds=None) -> list:
     """x ** n: float32 class (torch's `pow` and `reciprocal`) except for n = 0 and 1 (widest class)."""
-    return (widest_rule if eqn.params["y"] in (0, 1) else float32_rule)(eqn, vals, mode, bounds)
+    return (float32_rule if _float32_class(eqn) else widest_rule)(eqn, vals, mode, bounds)
+
+
+def _float32_class(eqn) -> bool:
+    """Whether `eqn` computes in float32 whatever its inputs: `FLOAT32_OPS`, and `integer_pow` but for n = 0, 1."""
+    name = eqn.primitive.name
+    return name in FLOAT32_OPS or (name == "integer_pow" and eqn.params["y"] not in (0, 1))
 
 
 def upcast_eqns(jaxpr) -> set[int]:
@@ -657,8 +663,7 @@ def upcast_eqns(jaxpr) -> set[int]:
     chosen: set[int] = set()
 
     def reads_float32(eqn) -> bool:
-        if eqn.primitive.name in FLOAT32_OPS or id(eqn) in chosen or \
-                (eqn.primitive.name == "integer_pow" and eqn.params["y"] not in (0, 1)):
+        if _float32_class(eqn) or id(eqn) in chosen:
             return True
         return eqn.primitive.name in UPCAST_OPS and any(v in float32_written for v in eqn.invars
                                                          if not isinstance(v, jex_core.Literal))

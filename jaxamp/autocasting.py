@@ -26,8 +26,9 @@ in float32 ops, so they come out float32. An elementwise `add`, `sub`, `mul`, `d
 result only float32-class ops read (`autocast_rules.upcast_eqns`) runs in float32 too: softmax's and log_softmax's
 `x - max(x)` before the exp, as torch.amp's softmax upcasts its input (the max itself stays in the input's dtype,
 where it is exact); other elementwise ops before a float32-class op run in the input's dtype. A square is float32
-class, as torch's `pow`, so a variance of float16 inputs above 256 does not overflow. A lookup in a float32 table stays float32, so its
-gradient is a float32 scatter-add; `bf16_activation + f32_bias` is float32, so the bias gradient sums in float32.
+class, as torch's `pow`, so a variance of float16 inputs above 256 does not overflow. A lookup in a float32 table
+stays float32, so its gradient is a float32 scatter-add; `bf16_activation + f32_bias` is float32, so the bias
+gradient sums in float32.
 
 Casts and constants:
 
@@ -373,8 +374,8 @@ def interpret(jaxpr, consts: Sequence, args: Sequence, mode: Mode, arg_bounds: S
     (optional, per arg) are the param paths of args (see `_param_path`), tracked through casts, reshapes and
     transposes, into nested jits, scan, while and cond bodies, remat and custom_jvp; a matmul with a named operand
     is bound in a `WEIGHT_SCOPE` name scope (rhs first, then lhs). `arg_hot` (optional, per arg): the class axis of
-    an arg that holds a one-hot array (`autocast_rules.one_hot_vars`), else None, carried into nested jits and remat so that a one-hot made
-    outside a jitted function is a selection inside it. `traceback` (optional) replaces every
+    an arg that holds a one-hot array (`autocast_rules.one_hot_vars`), else None, carried into nested jits and remat
+    so that a one-hot made outside a jitted function is a selection inside it. `traceback` (optional) replaces every
     equation's own traceback. An equation whose own traceback holds no frame outside JAX (in the body of a function
     that JAX jitted, such as `jnp.take`, or a `custom_jvp` such as `jax.nn.relu`: that traceback ends at the jitted
     function) takes the traceback of the equation whose rule interprets this jaxpr, at any depth of nesting.

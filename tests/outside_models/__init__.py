@@ -27,55 +27,28 @@ in `metrics["aux"]["batch_stats"]`: put them in the next batch (`{**batch, "batc
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 from .sources import SourceUnavailable
 from .trial import Trial
 
 
-def _lm1b(**options) -> Trial:
-    from . import lm1b
+def _factory(module: str) -> Callable[..., Trial]:
+    """`module`'s `trial(**options)`, its module imported on first use (a trial's imports are heavy)."""
+    def build(**options) -> Trial:
+        return importlib.import_module(f"{__name__}.{module}").trial(**options)
 
-    return lm1b.trial(**options)
-
-
-def _imagenet(**options) -> Trial:
-    from . import imagenet
-
-    return imagenet.trial(**options)
-
-
-def _gemma(**options) -> Trial:
-    from . import gemma
-
-    return gemma.trial(**options)
-
-
-def _mnist(**options) -> Trial:
-    from . import mnist_cnn
-
-    return mnist_cnn.trial(**options)
-
-
-def _esm2(**options) -> Trial:
-    from . import esm2
-
-    return esm2.trial(**options)
-
-
-def _gpt2(**options) -> Trial:
-    from . import gpt2
-
-    return gpt2.trial(**options)
+    return build
 
 
 TRIALS: dict[str, Callable[..., Trial]] = {
-    "lm1b": _lm1b,
-    "imagenet_resnet": _imagenet,
-    "gemma_nnx": _gemma,
-    "mnist_cnn_nnx": _mnist,
-    "esm2_equinox": _esm2,
-    "gpt2_hf": _gpt2,
+    "lm1b": _factory("lm1b"),
+    "imagenet_resnet": _factory("imagenet"),
+    "gemma_nnx": _factory("gemma"),
+    "mnist_cnn_nnx": _factory("mnist_cnn"),
+    "esm2_equinox": _factory("esm2"),
+    "gpt2_hf": _factory("gpt2"),
 }
 
 __all__ = ["TRIALS", "SourceUnavailable", "Trial"]
