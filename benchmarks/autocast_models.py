@@ -42,7 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from outside_models import TRIALS, SourceUnavailable  # noqa: E402
+from outside_models import TRIALS, SourceUnavailable, trial_options  # noqa: E402
 
 import jaxamp  # noqa: E402
 import jaxamp.nnx as jnnx  # noqa: E402
@@ -233,9 +233,9 @@ def noise_cells(gap: float, noise: float) -> list[str]:
 
 def batch_words() -> str:
     """The batches the runs took, for a report's header: the trials' own, or `--batch`'s."""
-    if "batch" not in TRIAL_OPTIONS:
-        return "the trials' own batches (4 sequences or images)"
-    return f"batches of {TRIAL_OPTIONS['batch']} sequences or images (--batch; the trials' own: 4)"
+    words = "the trials' own batches (4 sequences or images)" if "batch" not in TRIAL_OPTIONS else \
+        f"batches of {TRIAL_OPTIONS['batch']} sequences or images (--batch; the trials' own: 4)"
+    return words + (f"; dropout {TRIAL_OPTIONS['dropout']} (--dropout)" if "dropout" in TRIAL_OPTIONS else "")
 
 
 def header(argv) -> list[str]:
@@ -365,6 +365,18 @@ def set_batch(parser, batch: int | None) -> None:
     TRIAL_OPTIONS.update({} if batch is None else {"batch": batch})
 
 
+def set_dropout(parser, trials, dropout: float | None) -> None:
+    """`--dropout`: the trials built with that dropout rate; each of `trials` must take one (GPT-2 does)."""
+    if dropout is None:
+        return
+    if not 0.0 <= dropout < 1.0:
+        parser.error(f"--dropout {dropout}: give a rate in [0, 1)")
+    lacking = [n for n in trials if "dropout" not in trial_options(n)]
+    if lacking:
+        parser.error(f"--dropout: {', '.join(lacking)} take no dropout rate; run --trials gpt2_hf with it")
+    TRIAL_OPTIONS["dropout"] = dropout
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", nargs="*", default=list(TRIALS), choices=list(TRIALS))
@@ -379,12 +391,16 @@ def main(argv=None) -> int:
                              "a dynamic loss scale from 2^15), e.g. 'bf16;autocast;float32_results=.'")
     parser.add_argument("--batch", type=int, default=None,
                         help="sequences or images per batch, for every trial (default: the trials' own, 4)")
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="the dropout rate of the trials that take one (GPT-2: resid/embd/attn pdrop; default: "
+                             "their own, 0.1): 0 makes float32 and mixed runs the same trajectory up to rounding")
     parser.add_argument("--audit-only", action="store_true",
                         help=f"only the audit's table (traced, nothing run), to {AUDIT_OUT.name} by default")
     parser.add_argument("--out", default=None, help=f"markdown file (default: {DEFAULT_OUT.name})")
     args = parser.parse_args(argv)
     args.out = args.out or str(AUDIT_OUT if args.audit_only else DEFAULT_OUT)
     set_batch(parser, args.batch)
+    set_dropout(parser, args.trials, args.dropout)
     harness.check_output(parser, "--out", args.out)
     if args.policies:
         POLICIES.clear()

@@ -910,6 +910,28 @@ def test_autocast_models_batch_option_builds_every_trial_at_that_size(monkeypatc
     assert not (tmp_path / "z.md").exists()
 
 
+
+def test_autocast_models_dropout_option_reaches_gpt2_and_is_refused_for_trials_without_dropout(monkeypatch, tmp_path,
+                                                                                                capsys):
+    """`--dropout P` builds GPT-2 with that rate (its GPT2Config's three pdrops) and says so in the header; a trial
+    that takes no rate (the ResNet) is refused in one line naming it, and nothing is written."""
+    import benchmarks.autocast_models as am
+    from tests.outside_models import gpt2
+
+    monkeypatch.setattr(am, "each_trial", lambda names, measure: {"seen": dict(am.TRIAL_OPTIONS)})
+    monkeypatch.setattr(am, "report", lambda rows, steps, argv: f"{rows} {am.batch_words()}")
+    out = tmp_path / "m.md"
+    assert am.main(["--trials", "gpt2_hf", "--dropout", "0", "--out", str(out)]) == 0
+    assert out.read_text() == ("{'seen': {'dropout': 0.0}} the trials' own batches (4 sequences or images); "
+                               "dropout 0.0 (--dropout)")
+    config = gpt2.trial(dropout=0.0).model.config
+    assert (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) == (0.0, 0.0, 0.0)
+    assert gpt2.trial().model.config.resid_pdrop == 0.1
+    with pytest.raises(SystemExit):
+        am.main(["--trials", "gpt2_hf", "imagenet_resnet", "--dropout", "0", "--out", str(tmp_path / "z.md")])
+    assert "--dropout: imagenet_resnet take no dropout rate" in capsys.readouterr().err
+    assert not (tmp_path / "z.md").exists()
+
 def test_autocast_models_seed_counts_show_the_leaves_counted_where_they_differ():
     """The per-seed leaf counts: "26 14" where each batch counts the same leaves, "9/10 12/14" where the near-zero
     leaves (not counted) differ between the batches (a ResNet at 32 images: 10 to 14 counted)."""

@@ -28,6 +28,7 @@ in `metrics["aux"]["batch_stats"]`: put them in the next batch (`{**batch, "batc
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 
 from .sources import SourceUnavailable
@@ -42,13 +43,15 @@ def _factory(module: str) -> Callable[..., Trial]:
     return build
 
 
-TRIALS: dict[str, Callable[..., Trial]] = {
-    "lm1b": _factory("lm1b"),
-    "imagenet_resnet": _factory("imagenet"),
-    "gemma_nnx": _factory("gemma"),
-    "mnist_cnn_nnx": _factory("mnist_cnn"),
-    "esm2_equinox": _factory("esm2"),
-    "gpt2_hf": _factory("gpt2"),
-}
+_MODULES = {"lm1b": "lm1b", "imagenet_resnet": "imagenet", "gemma_nnx": "gemma", "mnist_cnn_nnx": "mnist_cnn",
+            "esm2_equinox": "esm2", "gpt2_hf": "gpt2"}
+TRIALS: dict[str, Callable[..., Trial]] = {name: _factory(module) for name, module in _MODULES.items()}
 
-__all__ = ["TRIALS", "SourceUnavailable", "Trial"]
+
+def trial_options(name: str) -> tuple[str, ...]:
+    """The keyword options `TRIALS[name]` takes: `batch` for every trial, `dropout` for GPT-2 (imports the trial's
+    module, not its model code)."""
+    return tuple(inspect.signature(importlib.import_module(f"{__name__}.{_MODULES[name]}").trial).parameters)
+
+
+__all__ = ["TRIALS", "SourceUnavailable", "Trial", "trial_options"]

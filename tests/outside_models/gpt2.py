@@ -45,10 +45,12 @@ def make_batch(key, batch: int = BATCH):
     return {"input_ids": ids, "attention_mask": jnp.ones_like(ids), "labels": ids}
 
 
-def trial(batch: int = BATCH) -> Trial:
+def trial(batch: int = BATCH, dropout: float | None = None) -> Trial:
+    """The trial at `batch` sequences; `dropout`: GPT2Config's resid/embd/attn pdrop (None: its default, 0.1)."""
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2, n_inner=None)
+    rates = {} if dropout is None else {"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout}
+    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2, n_inner=None, **rates)
     # Transformers' documented path for initialising params yourself: `_do_init=False`, then `init_weights` (here
     # under jax.jit: one compile instead of op-by-op init; the same random init as the default constructor's).
     with jax.numpy_dtype_promotion("standard"):  # init traces the forward pass (see loss_fn on strict promotion)
